@@ -1,0 +1,3 @@
+"""SemIf: bounded decisions scored from llama.cpp logits."""
+
+__version__ = "0.1.0"
