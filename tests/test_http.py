@@ -1,0 +1,114 @@
+"""The SemIf contract over HTTP, on the real model, in-process."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+SINGLE = {
+    "decision": {
+        "id": "support-route",
+        "state": "The customer cannot receive a password reset email.",
+        "question": "Which queue should handle this request?",
+        "options": [
+            {"id": "account_access", "description": "Account access support."},
+            {"id": "billing", "description": "Billing support."},
+        ],
+    }
+}
+
+BATCH = {
+    "state": "Order 1142 arrived broken and the customer wants a refund before Friday.",
+    "decisions": [
+        {"id": "queue", "question": "Which queue?", "options": [{"id": "billing"}, {"id": "shipping"}, {"id": "returns"}]},
+        {"id": "urgent", "question": "Is it urgent?", "options": [{"id": "yes"}, {"id": "no"}]},
+        {"id": "tone", "question": "Customer tone?", "options": [{"id": "calm"}, {"id": "angry"}, {"id": "neutral"}]},
+    ],
+}
+
+
+def test_ping_is_ok_when_the_model_is_loaded(client):
+    response = client.get("/ping")
+    assert response.status_code == 200
+    assert response.json()["status"] == "ok"
+
+
+def test_single_decision_returns_a_full_result(client, engine):
+    response = client.post("/invocations", json=SINGLE)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["id"] == "support-route"
+    assert body["option_ids"] == ["account_access", "billing"]
+    assert math.isclose(sum(body["probabilities"]), 1.0, abs_tol=1e-9)
+    exp = np.exp(np.array(body["option_logits"]) - max(body["option_logits"]))
+    np.testing.assert_allclose(body["probabilities"], exp / exp.sum(), atol=1e-9)
+    top = int(np.argmax(body["probabilities"]))
+    assert body["choice"] == body["option_ids"][top]
+    assert body["margin"] == abs(body["probabilities"][0] - body["probabilities"][1])
+    assert body["prompt"]["template_version"] == engine.info["template_version"]
+    assert len(body["prompt"]["options_sha256"]) == 64
+    assert body["prompt"]["tokens"] > 0
+    assert set(body["timing"]) == {"queue_ms", "compute_ms", "total_ms"}
+    assert body["model"]["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert body["model"]["sha256"] == engine.sha256
+    assert body["model"]["scoring"] == "label"
+    assert body["model"]["llama_cpp_python"]
+    assert "text" not in body["prompt"]
+
+
+def test_v1_semif_is_an_alias_of_invocations(client):
+    a = client.post("/invocations", json=SINGLE).json()
+    b = client.post("/v1/semif", json=SINGLE).json()
+    np.testing.assert_allclose(a["probabilities"], b["probabilities"], atol=1e-6)
+
+
+def test_return_prompt_exposes_text_and_label_token_ids(client):
+    body = client.post("/invocations", json={**SINGLE, "return_prompt": True}).json()
+    assert "The customer cannot receive a password reset email." in body["prompt"]["text"]
+    assert len(body["prompt"]["label_token_ids"]) == 2
+
+
+def test_options_hash_changes_with_descriptions(client):
+    changed = {"decision": {**SINGLE["decision"], "options": [{"id": "account_access"}, {"id": "billing"}]}}
+    a = client.post("/invocations", json=SINGLE).json()["prompt"]["options_sha256"]
+    b = client.post("/invocations", json=changed).json()["prompt"]["options_sha256"]
+    assert a != b
+
+
+def test_shared_state_batch_equals_separate_requests(client):
+    batch = client.post("/invocations", json=BATCH)
+    assert batch.status_code == 200, batch.text
+    results = batch.json()["results"]
+    assert [r["id"] for r in results] == ["queue", "urgent", "tone"]
+    for decision, result in zip(BATCH["decisions"], results):
+        alone = client.post("/invocations", json={"decision": {**decision, "state": BATCH["state"]}}).json()
+        np.testing.assert_allclose(result["probabilities"], alone["probabilities"], atol=1e-4)
+    usage = batch.json()["usage"]
+    assert usage["input_tokens"] < 3 * usage["state_tokens"] + sum(r["prompt"]["tokens"] for r in results)
+
+
+def test_repeat_request_reuses_the_cached_prefix(client):
+    client.post("/invocations", json=SINGLE)
+    body = client.post("/invocations", json=SINGLE).json()
+    assert body["prompt"]["cached_tokens"] == body["prompt"]["tokens"] - 1
+
+
+def test_sequence_scoring_per_request(client):
+    body = client.post("/invocations", json={**SINGLE, "scoring": "sequence"}).json()
+    assert body["model"]["scoring"] == "sequence"
+    assert math.isclose(sum(body["probabilities"]), 1.0, abs_tol=1e-9)
+
+
+def test_unknown_route_is_a_json_404(client):
+    response = client.post("/nope", json={})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"
+
+
+def test_custom_attributes_can_force_the_contract(client):
+    response = client.post("/invocations", json=SINGLE, headers={"X-Amzn-SageMaker-Custom-Attributes": "contract=semif"})
+    assert response.status_code == 200
+    bad = client.post("/invocations", json=SINGLE, headers={"X-Amzn-SageMaker-Custom-Attributes": "contract=nope"})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["field"] == "x-amzn-sagemaker-custom-attributes"
