@@ -219,12 +219,12 @@ class Engine:
     def prefix_tokens(self, state_text: str) -> tuple[str, list[int]]:
         """The state prefix's text and tokens. Template text may hold special tokens; the state never
         does: it is tokenized as plain text so it cannot forge a turn boundary."""
-        head, block, between = self.template.state_prefix_parts(state_text)
+        head, block = self.template.state_prefix_parts(state_text)
         tokens = self._tokenize(head, special=True, add_bos=True)
         if not tokens and self._adds_bos():
             tokens = [self.llm.token_bos()]
-        tokens += self._tokenize(block + between, special=False)
-        return head + block + between, tokens
+        tokens += self._tokenize(block, special=False)
+        return head + block, tokens
 
     def question_tokens(self, question: Question, labels: Optional[Sequence[str]]) -> tuple[str, list[int]]:
         block, tail = self.template.question_suffix_parts(question, labels)

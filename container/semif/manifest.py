@@ -22,6 +22,32 @@ class ManifestError(Exception):
     """The manifest is unreadable, or the model file does not match it."""
 
 
+class StoredObject(BaseModel):
+    """The object that holds the model in S3, as the packaging tool uploaded it.
+
+    For the uncompressed layout it is the GGUF itself; with ``--tar-gz`` it is ``model.tar.gz``.
+    ``s3_checksum_sha256`` is what S3's ``HeadObject`` (``ChecksumMode=ENABLED``) must report:
+    base64 of the SHA-256 for a single PUT, or S3's composite checksum (SHA-256 of the parts'
+    SHA-256 digests, suffixed ``-<parts>``) for a multipart upload of ``part_size_bytes`` parts.
+    It is computed from the local bytes in the same pass as ``sha256``, and S3 checks every part
+    against it on upload, so a match ties the stored object to the hashed file.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    file: str = Field(min_length=1)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size_bytes: int = Field(ge=0)
+    s3_checksum_sha256: str = Field(min_length=44)
+    part_size_bytes: int = Field(ge=0, description="0 = uploaded in one PUT")
+
+    @property
+    def part_count(self) -> int:
+        """Parts of a multipart upload; 0 for a single PUT."""
+        _, _, parts = self.s3_checksum_sha256.partition("-")
+        return int(parts) if parts else 0
+
+
 class ModelManifest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -36,6 +62,8 @@ class ModelManifest(BaseModel):
     source: Optional[str] = None
     created_at: Optional[str] = None
     packer_version: Optional[str] = None
+    # Present in the manifest stored in S3 (written by the packaging tool after a verified upload).
+    stored: Optional[StoredObject] = None
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(exclude_none=True), indent=2, sort_keys=True) + "\n"

@@ -1,8 +1,8 @@
 """Prompt layout, chat templating and answer labels. Knows tokens, not llama.cpp contexts or HTTP.
 
-Layout (docs/architecture.md, "Prompt layout"):
+Layout (docs/adapter.md, "Prompt layout"):
 
-    [system text][user turn opens][fenced state]\n\n  ‖  [question block][user turn closes][assistant header]
+    [system text][user turn opens][fenced state]  ‖  \n\n[question block][user turn closes][assistant header]
 
 The state block ends at a fixed boundary: everything before ‖ depends on the state only, so it is
 evaluated once and every question is scored from that boundary.
@@ -174,14 +174,16 @@ class PromptTemplate:
         """The text right before the model's answer (the assistant header, or `Answer:`)."""
         return self._tail
 
-    def state_prefix_parts(self, state_text: str) -> tuple[str, str, str]:
-        """(template head, fenced state, template text up to the question): the state prefix in
-        pieces, so the caller can tokenize template text with special tokens and user text without."""
-        return self._head, render_state_block(state_text), self._between
+    def state_prefix_parts(self, state_text: str) -> tuple[str, str]:
+        """(template head, fenced state): the state prefix in pieces, so the caller can tokenize
+        template text with special tokens and user text without. The prefix ends right after the
+        closing tag, before any whitespace: a BPE pre-tokenizer always splits there, so the prefix's
+        tokens followed by the question's equal the tokens of the whole text."""
+        return self._head, render_state_block(state_text)
 
     def question_suffix_parts(self, question: Question, labels: Optional[Sequence[str]]) -> tuple[str, str]:
-        """(question block, template tail ending at the answer cue)."""
-        return render_question_block(question, labels), self._tail
+        """(blank line + question block, template tail ending at the answer cue)."""
+        return self._between + render_question_block(question, labels), self._tail
 
     def select_labels(self, tokenize: Callable[[str], list[int]]) -> Labels:
         """Pick, once per model, the labels that are one distinct token right after the answer cue."""

@@ -1,0 +1,449 @@
+"""The adapter image without Docker: the Dockerfile and buildspec parsed and exercised, and the image's
+`serve` entrypoint run as a process against a SageMaker-style model directory."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from semif.manifest import MANIFEST_NAME, load_manifest
+from semif.package_model import main as package_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTAINER = ROOT / "container"
+DOCKERFILE = CONTAINER / "Dockerfile"
+BUILDSPEC = CONTAINER / "buildspec.yml"
+SERVE = Path(sys.executable).parent / "serve"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DLC_CPU = "763104351884.dkr.ecr.us-west-2.amazonaws.com/llama-cpp:server-sagemaker-cpu-v1"
+BUILD_TOOLS = re.compile(r"\b(gcc|gcc-c\+\+|g\+\+|make|cmake|git|ninja(-build)?|cuda-nvcc\S*|\S+-devel\S*)\b")
+
+
+# --- a small Dockerfile reader -------------------------------------------------------------------
+
+
+@dataclass
+class Instruction:
+    keyword: str
+    args: str
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[str]:
+        return [i.args for i in self.instructions if i.keyword == keyword]
+
+    def args_declared(self) -> set[str]:
+        return {re.split(r"[=\s]", a, maxsplit=1)[0] for a in self.all("ARG")}
+
+
+def parse_dockerfile(text: str) -> tuple[list[Instruction], list[Stage]]:
+    """Instructions before the first FROM, and the stages. Handles continuations and comments."""
+    logical, current = [], ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        if current and line.startswith("#"):
+            continue  # comment lines inside a continued instruction are dropped by Docker too
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        logical.append(current + line)
+        current = ""
+    assert not current, "the Dockerfile ends inside a line continuation"
+
+    preamble: list[Instruction] = []
+    stages: list[Stage] = []
+    for line in logical:
+        keyword, _, args = line.partition(" ")
+        instruction = Instruction(keyword.upper(), args.strip())
+        if instruction.keyword == "FROM":
+            parts = instruction.args.split()
+            name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else str(len(stages))
+            stages.append(Stage(parts[0], name))
+        elif stages:
+            stages[-1].instructions.append(instruction)
+        else:
+            preamble.append(instruction)
+    return preamble, stages
+
+
+def exec_form(args: str) -> list[str]:
+    value = json.loads(args)
+    assert isinstance(value, list), f"{args!r} is not exec form"
+    return value
+
+
+def env_pairs(args: str) -> dict[str, str]:
+    return dict(token.split("=", 1) for token in shlex.split(args))
+
+
+@pytest.fixture(scope="module")
+def dockerfile():
+    return parse_dockerfile(DOCKERFILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def final_stage(dockerfile) -> Stage:
+    return dockerfile[1][-1]
+
+
+# --- Dockerfile ----------------------------------------------------------------------------------
+
+
+def test_both_stages_build_from_the_dlc_named_by_the_base_image_arg(dockerfile):
+    preamble, stages = dockerfile
+
+    assert [i.args.split("=")[0] for i in preamble if i.keyword == "ARG"] == ["BASE_IMAGE"]
+    default = next(i.args for i in preamble if i.keyword == "ARG").split("=", 1)[1]
+    assert re.fullmatch(r"763104351884\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com/llama-cpp:server-sagemaker-(cpu|cuda)-v1", default)
+    assert [(s.base, s.name) for s in stages] == [("${BASE_IMAGE}", "builder"), ("${BASE_IMAGE}", "runtime")]
+
+
+def test_the_final_stage_runs_serve_on_8080_with_the_dlc_entrypoint_cleared(final_stage):
+    assert exec_form(final_stage.all("ENTRYPOINT")[-1]) == []
+    assert exec_form(final_stage.all("CMD")[-1]) == ["serve"]
+    assert final_stage.all("EXPOSE") == ["8080"]
+    env = {}
+    for args in final_stage.all("ENV"):
+        env.update(env_pairs(args))
+    assert env["PATH"].startswith("/opt/semif/venv/bin:")
+    assert env["SEMIF_PORT"] == "8080" and env["SEMIF_MODEL_DIR"] == "/opt/ml/model"
+    assert any("ln -sf /opt/semif/venv/bin/serve /usr/bin/serve" in run for run in final_stage.all("RUN"))
+
+
+def test_the_dlcs_own_libllama_is_kept_off_the_loader_path(dockerfile):
+    for stage in dockerfile[1]:
+        env = {}
+        for args in stage.all("ENV"):
+            env.update(env_pairs(args))
+        assert "LD_LIBRARY_PATH" in env, f"stage {stage.name} inherits the DLC's LD_LIBRARY_PATH"
+        assert "/opt/llama.cpp" not in env["LD_LIBRARY_PATH"]
+        assert "${LD_LIBRARY_PATH}" not in env["LD_LIBRARY_PATH"]
+
+
+def test_the_final_stage_runs_as_a_non_root_user(final_stage):
+    user = final_stage.all("USER")[-1]
+
+    assert user.split(":")[0] not in ("root", "0")
+    assert final_stage.instructions[-1].keyword in ("CMD", "ENTRYPOINT", "EXPOSE")
+    after_user = final_stage.instructions[[i.args for i in final_stage.instructions].index(user) :]
+    assert not [i for i in after_user if i.keyword == "RUN"], "RUN after USER would run as the unprivileged user"
+
+
+def test_no_build_tools_are_installed_in_the_final_stage(final_stage):
+    installs = [run for run in final_stage.all("RUN") if "install" in run]
+
+    assert installs, "the final stage installs its runtime packages"
+    for run in installs:
+        assert not BUILD_TOOLS.search(run), f"build tool in the final stage: {run}"
+    assert [c for c in final_stage.all("COPY") if "--from=builder" in c] == ["--from=builder /opt/semif /opt/semif"]
+
+
+def test_the_builder_compiles_the_pinned_llama_cpp_python_from_source_with_cuda_when_asked(dockerfile):
+    builder = dockerfile[1][0]
+    pinned = next(d for d in tomllib.loads((CONTAINER / "pyproject.toml").read_text())["project"]["dependencies"]
+                  if d.startswith("llama-cpp-python=="))
+    runs = " ".join(builder.all("RUN"))
+
+    assert f"LLAMA_CPP_PYTHON_VERSION={pinned.split('==')[1]}" in builder.all("ARG")
+    assert 'pip install --no-binary llama-cpp-python "llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION}"' in runs
+    assert "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}" in runs
+    assert "-DGGML_NATIVE=OFF" in runs and "GGML_NATIVE=ON" not in runs
+    assert BUILD_TOOLS.search(runs)
+
+
+def test_the_image_compiles_llama_cpp_with_the_same_x86_flags_as_make(dockerfile):
+    makefile = (ROOT / "Makefile").read_text()
+    make_flags = re.search(r"^LLAMA_CMAKE_ARGS \?= (.+)$", makefile, re.M).group(1).split()
+    image_flags = re.search(r'x86_64\) cpu_args="([^"]+)"', " ".join(dockerfile[1][0].all("RUN"))).group(1).split()
+
+    assert image_flags == make_flags
+    assert "-DGGML_AMX_TILE=OFF" in image_flags
+
+
+def test_the_image_is_labelled_with_its_source_revision_and_base(final_stage):
+    labels = {}
+    for args in final_stage.all("LABEL"):
+        labels.update(env_pairs(args))
+
+    assert "SOURCE_REVISION=unknown" in final_stage.all("ARG")
+    assert labels["org.opencontainers.image.revision"] == "${SOURCE_REVISION}"
+    assert labels["org.opencontainers.image.base.name"] == "${BASE_IMAGE}"
+    assert labels["org.opencontainers.image.base.digest"] == "${BASE_IMAGE_DIGEST}"
+
+
+def test_every_variable_a_stage_uses_from_build_args_is_declared_in_that_stage(dockerfile):
+    preamble, stages = dockerfile
+    build_args = {a.split("=")[0] for a in (i.args for i in preamble if i.keyword == "ARG")}
+    for stage in stages:
+        build_args |= stage.args_declared()
+    for stage in stages:
+        declared = stage.args_declared()
+        for instruction in stage.instructions:
+            for name in re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", instruction.args):
+                if name in build_args:
+                    assert name in declared, f"stage {stage.name}: {instruction.keyword} uses ${name} without ARG {name}"
+
+
+def test_every_run_step_is_valid_posix_shell(dockerfile):
+    for stage in dockerfile[1]:
+        for run in stage.all("RUN"):
+            check = subprocess.run(["sh", "-n", "-c", run], capture_output=True, text=True)
+            assert check.returncode == 0, f"{stage.name}: {check.stderr}\n{run}"
+
+
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").rstrip("/")
+        pattern = pattern.replace("**/", "*")
+        if fnmatch.fnmatch(path, pattern) or path.startswith(pattern + "/"):
+            ignored = not negate
+    return ignored
+
+
+def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_else():
+    patterns = [p.strip() for p in (CONTAINER / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    copied = []
+    for stage in parse_dockerfile(DOCKERFILE.read_text())[1]:
+        for args in stage.all("COPY"):
+            if "--from=" not in args:
+                copied.append(args.split()[0])
+    sources = [p.relative_to(CONTAINER).as_posix() for p in (CONTAINER / "semif").rglob("*.py")]
+
+    assert sorted(copied) == ["pyproject.toml", "semif"]
+    for path in ["pyproject.toml", *sources]:
+        assert not _dockerignored(path, patterns), path
+    for path in ["tests/test_x.py", ".venv/bin/python", "semif/__pycache__/app.cpython-312.pyc",
+                 "model.gguf", "buildspec.yml", "semif/x/model.gguf"]:
+        assert _dockerignored(path, patterns), path
+
+
+# --- buildspec: its commands run with stand-ins for docker and aws ---------------------------------
+
+
+STUB = """#!/usr/bin/env bash
+printf '%s\\n' "$(basename "$0") $*" >> "$STUB_LOG"
+case "$(basename "$0") $*" in
+  "aws ecr get-login-password"*) echo secret ;;
+  "docker login"*) cat > /dev/null ;;
+  "aws ecr describe-images"*"--query"*) echo "sha256:$(printf 'a%.0s' {1..64})" ;;
+  "aws ecr describe-images"*) [ -n "$TAG_EXISTS" ] || exit 254 ;;
+  "docker image inspect"*) echo "${BASE_IMAGE%%:*}@sha256:$(printf 'b%.0s' {1..64})" ;;
+esac
+"""
+
+
+def run_buildspec(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str], dict[str, str], str]:
+    """Run the phases as CodeBuild does: one bash session, commands in order, a failing command ends
+    its phase, and post_build runs only while the build is succeeding."""
+    spec = yaml.safe_load(BUILDSPEC.read_text())
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("aws", "docker"):
+        (bin_dir / tool).write_text(STUB)
+        (bin_dir / tool).chmod(0o755)
+    shutil.copy(DOCKERFILE, tmp_path / "Dockerfile")
+    lines = ["CODEBUILD_BUILD_SUCCEEDING=1"]
+    for phase in ("install", "pre_build", "build", "post_build"):
+        for number, command in enumerate(spec["phases"].get(phase, {}).get("commands", []), 1):
+            lines.append(f'{{\n{command}\n}} || {{ echo "FAILED {phase} command {number}" >&2; exit 1; }}')
+    exported = spec["env"]["exported-variables"]
+    lines.append("".join(f'echo "EXPORT {name}=${{{name}}}"\n' for name in exported))
+    script = tmp_path / "build.sh"
+    script.write_text("\n".join(lines))
+    log = tmp_path / "stub.log"
+    log.touch()
+    full_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_LOG": str(log), "HOME": str(tmp_path), **env}
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=60)
+    exports = dict(line[len("EXPORT "):].split("=", 1) for line in proc.stdout.splitlines() if line.startswith("EXPORT "))
+    return proc.returncode, log.read_text().splitlines(), exports, proc.stderr
+
+
+BUILD_ENV = {
+    "BASE_IMAGE": DLC_CPU,
+    "REPOSITORY_URI": "111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter",
+    "IMAGE_TAG": "inputs-3f9a1c",
+    "AWS_REGION": "eu-west-1",
+    "CODEBUILD_RESOLVED_SOURCE_VERSION": "0a6b83b",
+}
+
+
+def test_buildspec_declares_its_contract_and_exports_the_digest():
+    spec = yaml.safe_load(BUILDSPEC.read_text())
+    header = BUILDSPEC.read_text().split("version:")[0]
+
+    assert spec["version"] == 0.2
+    assert {"IMAGE_DIGEST", "IMAGE_URI"} <= set(spec["env"]["exported-variables"])
+    for name in ("BASE_IMAGE", "REPOSITORY_URI", "IMAGE_TAG", "AWS_REGION", "AWS_ACCOUNT_ID", "SOURCE_REVISION"):
+        assert re.search(rf"^#\s+{name}\s", header, re.M), f"{name} is not documented in the contract"
+    assert spec["artifacts"]["files"] == ["image-detail.json"]
+
+
+def test_buildspec_logs_in_to_both_registries_builds_with_the_base_image_and_pushes_the_input_hash_tag(tmp_path):
+    code, calls, exports, stderr = run_buildspec(tmp_path, BUILD_ENV)
+
+    assert code == 0, stderr
+    logins = [c for c in calls if c.startswith("docker login")]
+    assert logins == [
+        "docker login --username AWS --password-stdin 111122223333.dkr.ecr.eu-west-1.amazonaws.com",
+        "docker login --username AWS --password-stdin 763104351884.dkr.ecr.us-west-2.amazonaws.com",
+    ]
+    assert "aws ecr get-login-password --region us-west-2" in calls  # the DLC registry's own region
+    build = shlex.split(next(c for c in calls if c.startswith("docker build")))
+    pinned = "763104351884.dkr.ecr.us-west-2.amazonaws.com/llama-cpp@sha256:" + "b" * 64
+    assert f"BASE_IMAGE={pinned}" in build
+    assert "SOURCE_REVISION=0a6b83b" in build and "IMAGE_INPUT_HASH=inputs-3f9a1c" in build
+    assert build[build.index("--tag") + 1] == "111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter:inputs-3f9a1c"
+    assert build[-1] == "."
+    pushes = [c for c in calls if c.startswith("docker push")]
+    assert pushes == ["docker push 111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter:inputs-3f9a1c"]
+    assert calls.index(pushes[0]) > calls.index(next(c for c in calls if c.startswith("docker build")))
+    digest = "sha256:" + "a" * 64
+    assert exports["IMAGE_DIGEST"] == digest
+    assert exports["IMAGE_URI"] == f"{BUILD_ENV['REPOSITORY_URI']}@{digest}"
+    assert exports["BASE_IMAGE_DIGEST"] == "sha256:" + "b" * 64
+    detail = json.loads((tmp_path / "image-detail.json").read_text())
+    assert detail["imageUri"] == exports["IMAGE_URI"] and detail["sourceRevision"] == "0a6b83b"
+
+
+def test_buildspec_with_an_already_pushed_tag_builds_nothing_and_still_exports_the_digest(tmp_path):
+    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "TAG_EXISTS": "1"})
+
+    assert code == 0, stderr
+    assert not [c for c in calls if c.startswith(("docker build", "docker push", "docker pull"))]
+    assert exports["IMAGE_DIGEST"] == "sha256:" + "a" * 64
+
+
+def test_buildspec_without_a_base_image_fails_before_touching_any_registry(tmp_path):
+    env = {k: v for k, v in BUILD_ENV.items() if k != "BASE_IMAGE"}
+
+    code, calls, _, stderr = run_buildspec(tmp_path, env)
+
+    assert code != 0
+    assert "BASE_IMAGE" in stderr
+    assert calls == []
+
+
+# --- the entrypoint, run as SageMaker runs it ----------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sagemaker_model_dir(tmp_path_factory) -> Path:
+    """/opt/ml/model as SageMaker lays it out for an uncompressed S3 prefix, made by the packaging CLI."""
+    model_dir = tmp_path_factory.mktemp("opt_ml") / "model"
+    assert package_model(["package", "--out-dir", str(model_dir), "--no-progress"]) == 0
+    return model_dir
+
+
+def _serve(model_dir: Path, port: int) -> subprocess.Popen:
+    assert SERVE.exists(), f"{SERVE} is missing: install the adapter (pip install -e ./container)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEMIF_")}
+    env.update(SEMIF_MODEL_DIR=str(model_dir), SEMIF_HOST="127.0.0.1", SEMIF_PORT=str(port), SEMIF_N_THREADS="2")
+    return subprocess.Popen([str(SERVE), "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.stdout.read() if proc.stdout else ""
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_serve_answers_ping_and_invocations_for_a_model_in_a_sagemaker_model_dir(sagemaker_model_dir):
+    port = _free_port()
+    proc = _serve(sagemaker_model_dir, port)
+    try:
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                status = _get(f"http://127.0.0.1:{port}/ping")
+                if status == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        assert status == 200, f"/ping never answered 200 (exit {proc.poll()})"
+
+        body = json.dumps({"decision": {
+            "id": "support-route",
+            "state": "The customer cannot receive a password reset email.",
+            "question": "Which queue should handle this request?",
+            "options": [{"id": "account_access", "description": "Account access support."},
+                        {"id": "billing", "description": "Billing support."}],
+        }}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
+            result = json.loads(response.read())
+    finally:
+        output = _stop(proc)
+
+    assert result["option_ids"] == ["account_access", "billing"], output
+    assert len(result["probabilities"]) == 2 and abs(sum(result["probabilities"]) - 1) < 1e-6
+    assert result["choice"] in result["option_ids"]
+    assert result["model"]["sha256"] == load_manifest(sagemaker_model_dir / MANIFEST_NAME).sha256
+
+
+def test_serve_exits_non_zero_when_the_model_no_longer_matches_its_manifest(sagemaker_model_dir, tmp_path):
+    tampered_dir = tmp_path / "model"
+    tampered_dir.mkdir()
+    shutil.copy(sagemaker_model_dir / MANIFEST_NAME, tampered_dir / MANIFEST_NAME)
+    payload = bytearray((sagemaker_model_dir / EMBEDDED_FILE).read_bytes())
+    payload[len(payload) // 2] ^= 0x01
+    (tampered_dir / EMBEDDED_FILE).write_bytes(bytes(payload))
+
+    proc = _serve(tampered_dir, _free_port())
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        output = _stop(proc)
+
+    assert code != 0
+    assert "sha256" in output
