@@ -74,11 +74,11 @@ def test_full_queue_answers_503_with_retry_after_while_every_200_is_correct(star
 
 def test_ping_answers_while_a_decision_is_computing(start_serve):
     server = start_serve()
-    long_state = "The customer explains the problem at length. " * 300
+    long_state = "The customer explains the problem at length. " * 120
     with cf.ThreadPoolExecutor(max_workers=1) as pool:
         future = pool.submit(
             httpx.post, server.base_url + "/invocations",
-            json={"decision": {**QUESTION, "state": long_state}, "scoring": "sequence"}, timeout=120,
+            json={"decision": {**QUESTION, "state": long_state}, "scoring": "sequence"}, timeout=600,
         )
         time.sleep(0.3)
         ping_ms = []

@@ -1,0 +1,1 @@
+"""Reusable CDK constructs for SemIf: each module owns one concern."""

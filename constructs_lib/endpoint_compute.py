@@ -1,0 +1,90 @@
+"""Where an endpoint variant runs: one instance type, or prioritized instance pools.
+
+Validated here, at synth, so a bad environment file fails `cdk synth` with a clear message
+instead of a CloudFormation rollback twenty minutes into a deploy.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+MAX_INSTANCE_POOLS = 5
+# Container startup health check: the llama.cpp DLC docs ask for at least 600 s.
+MIN_STARTUP_HEALTH_CHECK_S = 600
+
+_INSTANCE_TYPE = re.compile(r"^ml\.[a-z0-9]+\.[a-z0-9]+$")
+# Families with local NVMe instance storage: SageMaker encrypts that storage in hardware and
+# rejects a VolumeKmsKeyId (KmsKeyId) for them.
+_LOCAL_STORAGE_FAMILY = re.compile(r"^(g4dn|g5|g6|g6e|g5g|p3dn|p4d|p4de|p5|p5e|p5en|inf2|trn1|[a-z]\d+[a-z]*d)$")
+
+
+@dataclass(frozen=True)
+class InstancePool:
+    instance_type: str
+    priority: int
+
+
+@dataclass(frozen=True)
+class EndpointCompute:
+    min_instances: int
+    max_instances: int
+    target_invocations_per_instance: int
+    model_download_timeout_s: int
+    startup_health_check_timeout_s: int
+    instance_type: Optional[str] = None
+    instance_pools: Sequence[InstancePool] = field(default_factory=tuple)
+    provision_timeout_s: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "instance_pools", tuple(self.instance_pools))
+        problems = self._problems()
+        if problems:
+            raise ValueError("invalid endpoint compute: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        problems: list[str] = []
+        pools = self.instance_pools
+        if self.instance_type and pools:
+            problems.append("set either instance_type or instance_pools, never both")
+        if not self.instance_type and not pools:
+            problems.append("set instance_type or instance_pools")
+        if pools:
+            if not 1 <= len(pools) <= MAX_INSTANCE_POOLS:
+                problems.append(f"instance_pools needs 1 to {MAX_INSTANCE_POOLS} pools, got {len(pools)}")
+            priorities = [p.priority for p in pools]
+            if len(set(priorities)) != len(priorities):
+                problems.append(f"instance pool priorities must be unique, got {priorities}")
+            if any(not 1 <= p <= MAX_INSTANCE_POOLS for p in priorities):
+                problems.append(f"instance pool priorities must be 1 to {MAX_INSTANCE_POOLS}, got {priorities}")
+            types = [p.instance_type for p in pools]
+            if len(set(types)) != len(types):
+                problems.append(f"instance pool types must be unique, got {types}")
+        elif self.provision_timeout_s is not None:
+            problems.append("provision_timeout_s applies to instance_pools only")
+        for instance_type in self.instance_types:
+            if not _INSTANCE_TYPE.match(instance_type):
+                problems.append(f"'{instance_type}' is not a SageMaker instance type (ml.<family>.<size>)")
+        if not 1 <= self.min_instances <= self.max_instances:
+            problems.append(f"need 1 <= min_instances ({self.min_instances}) <= max_instances ({self.max_instances})")
+        if self.target_invocations_per_instance < 1:
+            problems.append("target_invocations_per_instance must be positive")
+        if not MIN_STARTUP_HEALTH_CHECK_S <= self.startup_health_check_timeout_s <= 3600:
+            problems.append(f"startup_health_check_timeout_s must be {MIN_STARTUP_HEALTH_CHECK_S} to 3600")
+        if not 60 <= self.model_download_timeout_s <= 3600:
+            problems.append("model_download_timeout_s must be 60 to 3600")
+        return problems
+
+    @property
+    def instance_types(self) -> tuple[str, ...]:
+        return (self.instance_type,) if self.instance_type else tuple(p.instance_type for p in self.pools_by_priority)
+
+    @property
+    def pools_by_priority(self) -> tuple[InstancePool, ...]:
+        return tuple(sorted(self.instance_pools, key=lambda p: p.priority))
+
+    @property
+    def supports_volume_kms_key(self) -> bool:
+        """False when any instance type has local NVMe storage (SageMaker refuses a volume key there)."""
+        return not any(_LOCAL_STORAGE_FAMILY.match(t.split(".")[1]) for t in self.instance_types)

@@ -1,0 +1,111 @@
+"""Container image sources for SageMaker models.
+
+Each source has one method, ``bind(scope, grantable) -> image URI``, which also grants the
+execution role what it needs to pull that image and nothing more. The endpoint construct takes
+any of them, so "the AWS llama.cpp DLC" and "our adapter built from it" are interchangeable.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Protocol
+
+from aws_cdk import Stack, aws_ecr as ecr, aws_iam as iam
+from constructs import Construct
+
+Variant = Literal["cpu", "gpu"]
+
+# The AWS Deep Learning Containers registry account differs per region (see
+# https://github.com/aws/deep-learning-containers/blob/master/available_images.md).
+# Only regions listed here can synthesize; add one by copying the account from that page.
+DLC_REGISTRY_ACCOUNTS: dict[str, str] = {
+    "us-east-1": "763104351884",
+    "us-east-2": "763104351884",
+    "us-west-1": "763104351884",
+    "us-west-2": "763104351884",
+    "ca-central-1": "763104351884",
+    "eu-central-1": "763104351884",
+    "eu-west-1": "763104351884",
+    "eu-west-2": "763104351884",
+    "eu-west-3": "763104351884",
+    "eu-north-1": "763104351884",
+    "eu-south-1": "692866216735",
+    "ap-northeast-1": "763104351884",
+    "ap-northeast-2": "763104351884",
+    "ap-southeast-1": "763104351884",
+    "ap-southeast-2": "763104351884",
+    "ap-south-1": "763104351884",
+    "sa-east-1": "763104351884",
+    "ap-east-1": "871362719292",
+    "me-south-1": "217643126080",
+    "af-south-1": "626614931356",
+}
+DLC_REPOSITORY = "llama-cpp"
+DLC_TAGS: dict[Variant, str] = {
+    "cpu": "server-sagemaker-cpu-v1",
+    "gpu": "server-sagemaker-cuda-v1",
+}
+
+
+def dlc_registry_account(region: str) -> str:
+    try:
+        return DLC_REGISTRY_ACCOUNTS[region]
+    except KeyError:
+        raise ValueError(
+            f"no AWS Deep Learning Container registry account known for region '{region}'; "
+            "add it to DLC_REGISTRY_ACCOUNTS in constructs_lib/image_sources.py"
+        ) from None
+
+
+def dlc_image_uri(region: str, variant: Variant) -> str:
+    """The llama.cpp SageMaker DLC image for ``variant`` in ``region`` (by tag)."""
+    if variant not in DLC_TAGS:
+        raise ValueError(f"unknown image variant '{variant}'; expected one of {', '.join(DLC_TAGS)}")
+    account = dlc_registry_account(region)
+    return f"{account}.dkr.ecr.{region}.amazonaws.com/{DLC_REPOSITORY}:{DLC_TAGS[variant]}"
+
+
+class ContainerImageSource(Protocol):
+    def bind(self, scope: Construct, grantable: iam.IGrantable) -> str:
+        """Grant ``grantable`` pull access and return the image URI for the SageMaker model."""
+        ...
+
+
+def _grant_pull(grantable: iam.IGrantable, repository_arn: str) -> None:
+    iam.Grant.add_to_principal(
+        grantee=grantable,
+        actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
+        resource_arns=[repository_arn],
+    )
+    # GetAuthorizationToken has no resource-level permissions: '*' is the only valid resource.
+    iam.Grant.add_to_principal(grantee=grantable, actions=["ecr:GetAuthorizationToken"], resource_arns=["*"])
+
+
+class DlcImage:
+    """The AWS llama.cpp DLC itself (text path). Optionally pinned by digest."""
+
+    def __init__(self, *, variant: Variant, digest: Optional[str] = None) -> None:
+        if digest is not None and not digest.startswith("sha256:"):
+            raise ValueError(f"DLC digest must look like 'sha256:…', got '{digest}'")
+        self.variant = variant
+        self.digest = digest
+
+    def bind(self, scope: Construct, grantable: iam.IGrantable) -> str:
+        region = Stack.of(scope).region
+        uri = dlc_image_uri(region, self.variant)
+        account = dlc_registry_account(region)
+        _grant_pull(grantable, f"arn:{Stack.of(scope).partition}:ecr:{region}:{account}:repository/{DLC_REPOSITORY}")
+        if self.digest:
+            return f"{uri.rsplit(':', 1)[0]}@{self.digest}"
+        return uri
+
+
+class BuiltImage:
+    """An image in our own ECR repository, pinned by the digest the build returned."""
+
+    def __init__(self, *, repository: ecr.IRepository, digest: str) -> None:
+        self.repository = repository
+        self.digest = digest
+
+    def bind(self, scope: Construct, grantable: iam.IGrantable) -> str:
+        _grant_pull(grantable, self.repository.repository_arn)
+        return f"{self.repository.repository_uri}@{self.digest}"

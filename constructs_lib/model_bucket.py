@@ -1,0 +1,100 @@
+"""The model store: an S3 bucket for GGUF files and their manifests, with its KMS key.
+
+Layout: ``models/<name>/<version>/`` holds ``<file>.gguf`` and ``model-manifest.json``,
+served uncompressed (SageMaker ``S3DataType: S3Prefix``, ``CompressionType: None``).
+A ``models/….tar.gz`` object is accepted as well (``S3Object`` + ``Gzip``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from aws_cdk import Duration, RemovalPolicy, aws_iam as iam, aws_kms as kms, aws_s3 as s3
+from constructs import Construct
+
+MODELS_ROOT = "models/"
+
+
+def model_bucket_name(project: str, env_name: str, account: str, region: str) -> str:
+    """Deterministic, so endpoint stacks and people name the bucket without a cross-stack lookup."""
+    return f"{project}-{env_name}-models-{account}-{region}"
+
+
+class ModelBucket(Construct):
+    def __init__(
+        self,
+        scope: Construct,
+        id_: str,
+        *,
+        bucket_name: Optional[str] = None,
+        noncurrent_version_expiration_days: int = 90,
+        removal_policy: RemovalPolicy = RemovalPolicy.RETAIN,
+    ) -> None:
+        super().__init__(scope, id_)
+        self.key = kms.Key(
+            self,
+            "Key",
+            description="SemIf model bucket encryption",
+            enable_key_rotation=True,
+            removal_policy=removal_policy,
+        )
+        self.access_log_bucket = s3.Bucket(
+            self,
+            "AccessLogs",
+            # Server access logs can only be delivered to SSE-S3 buckets.
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            versioned=True,
+            object_ownership=s3.ObjectOwnership.BUCKET_OWNER_PREFERRED,
+            lifecycle_rules=[
+                s3.LifecycleRule(id="expire-access-logs", expiration=Duration.days(365),
+                                 noncurrent_version_expiration=Duration.days(30)),
+            ],
+            removal_policy=removal_policy,
+        )
+        self.bucket = s3.Bucket(
+            self,
+            "Bucket",
+            bucket_name=bucket_name,
+            encryption=s3.BucketEncryption.KMS,
+            encryption_key=self.key,
+            bucket_key_enabled=True,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            versioned=True,
+            server_access_logs_bucket=self.access_log_bucket,
+            server_access_logs_prefix="model-bucket/",
+            lifecycle_rules=[
+                s3.LifecycleRule(
+                    id="expire-old-model-versions",
+                    noncurrent_version_expiration=Duration.days(noncurrent_version_expiration_days),
+                    abort_incomplete_multipart_upload_after=Duration.days(7),
+                ),
+            ],
+            removal_policy=removal_policy,
+        )
+
+    def model_s3_uri(self, model_prefix: str) -> str:
+        return f"s3://{self.bucket.bucket_name}/{model_prefix}"
+
+    def grant_read_model(self, grantee: iam.IGrantable, model_prefix: str) -> None:
+        """Read one model's objects (and nothing else in the bucket), decrypting with this key only."""
+        grant_model_read(grantee, bucket=self.bucket, key=self.key, model_prefix=model_prefix)
+
+
+def grant_model_read(grantee: iam.IGrantable, *, bucket: s3.IBucket, key: kms.IKey, model_prefix: str) -> str:
+    """Returns the object pattern granted (the prefix + ``*``, or the one ``.tar.gz`` key)."""
+    object_pattern = model_prefix if model_prefix.endswith(".tar.gz") else f"{model_prefix}*"
+    iam.Grant.add_to_principal(
+        grantee=grantee, actions=["s3:GetObject"], resource_arns=[bucket.arn_for_objects(object_pattern)]
+    )
+    grantee.grant_principal.add_to_principal_policy(
+        iam.PolicyStatement(
+            actions=["s3:ListBucket"],
+            resources=[bucket.bucket_arn],
+            conditions={"StringLike": {"s3:prefix": [object_pattern]}},
+        )
+    )
+    iam.Grant.add_to_principal(grantee=grantee, actions=["kms:Decrypt"], resource_arns=[key.key_arn])
+    return object_pattern

@@ -1,0 +1,200 @@
+"""A llama.cpp model served by a SageMaker real-time endpoint: the part both paths share.
+
+Owns the execution role (least privilege), the Model, the EndpointConfig, the Endpoint with a
+fixed name, autoscaling, the endpoint's log group and the alarms every endpoint gets.
+Model and EndpointConfig names are left to CloudFormation: a new image digest or setting makes
+a new EndpointConfig, and CloudFormation updates the endpoint in place (blue/green by SageMaker).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import jsii
+from aws_cdk import (
+    Duration,
+    RemovalPolicy,
+    Stack,
+    aws_applicationautoscaling as appscaling,
+    aws_cloudwatch as cloudwatch,
+    aws_iam as iam,
+    aws_kms as kms,
+    aws_logs as logs,
+    aws_s3 as s3,
+    aws_sagemaker as sagemaker,
+    aws_sns as sns,
+)
+from constructs import Construct
+
+from constructs_lib.endpoint_alarms import EndpointAlarmThresholds, sagemaker_endpoint_alarms
+from constructs_lib.endpoint_compute import EndpointCompute
+from constructs_lib.image_sources import ContainerImageSource
+from constructs_lib.model_bucket import grant_model_read
+from constructs_lib.nag import acknowledge_wildcard_resource
+
+VARIANT_NAME = "AllTraffic"
+
+
+def endpoint_log_group_name(endpoint_name: str) -> str:
+    return f"/aws/sagemaker/Endpoints/{endpoint_name}"
+
+
+@jsii.implements(iam.IGrantable)
+class ServingEndpoint(Construct):
+    def __init__(
+        self,
+        scope: Construct,
+        id_: str,
+        *,
+        endpoint_name: str,
+        image: ContainerImageSource,
+        model_bucket: s3.IBucket,
+        model_key: kms.IKey,
+        model_prefix: str,
+        environment: Mapping[str, str],
+        compute: EndpointCompute,
+        alarm_topic: sns.ITopic,
+        alarm_thresholds: EndpointAlarmThresholds,
+        log_retention: logs.RetentionDays,
+        removal_policy: RemovalPolicy = RemovalPolicy.RETAIN,
+    ) -> None:
+        super().__init__(scope, id_)
+        stack = Stack.of(self)
+        self.endpoint_name = endpoint_name
+        self.variant_name = VARIANT_NAME
+        self.compute = compute
+        self.model_prefix = model_prefix
+        self.endpoint_arn = stack.format_arn(service="sagemaker", resource="endpoint",
+                                             resource_name=endpoint_name.lower())
+
+        # SageMaker writes container stdout here; creating it first lets us own retention and filters.
+        self.log_group = logs.LogGroup(self, "Logs", log_group_name=endpoint_log_group_name(endpoint_name),
+                                       retention=log_retention, removal_policy=removal_policy)
+
+        self.role = iam.Role(self, "ExecutionRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
+                             description=f"Execution role of SageMaker endpoint {endpoint_name}")
+        object_pattern = grant_model_read(self.role, bucket=model_bucket, key=model_key, model_prefix=model_prefix)
+        if object_pattern.endswith("*"):
+            acknowledge_wildcard_resource(self.role, model_bucket.arn_for_objects(object_pattern),
+                                          "Reads the objects under this model's own prefix (GGUF and manifest), "
+                                          "whose file names the stack does not know.")
+        image_uri = image.bind(self, self.role)
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+            resources=[self.log_group.log_group_arn],
+        ))
+        # PutMetricData has no resource-level permissions; the namespace condition narrows it.
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["cloudwatch:PutMetricData"], resources=["*"],
+            conditions={"StringEquals": {"cloudwatch:namespace": "/aws/sagemaker/Endpoints"}},
+        ))
+        acknowledge_wildcard_resource(self.role, "*", "Only ecr:GetAuthorizationToken and cloudwatch:PutMetricData "
+                                      "(namespace-conditioned) use '*': neither supports resource-level permissions.")
+
+        self.volume_key: Optional[kms.Key] = None
+        if compute.supports_volume_kms_key:
+            self.volume_key = kms.Key(self, "VolumeKey", enable_key_rotation=True, removal_policy=removal_policy,
+                                      description=f"ML storage volume encryption for endpoint {endpoint_name}")
+            iam.Grant.add_to_principal(grantee=self.role, resource_arns=[self.volume_key.key_arn],
+                                       actions=["kms:CreateGrant", "kms:Decrypt", "kms:GenerateDataKey",
+                                                "kms:DescribeKey"])
+
+        self.cfn_model = sagemaker.CfnModel(
+            self,
+            "Model",
+            execution_role_arn=self.role.role_arn,
+            enable_network_isolation=True,
+            primary_container=sagemaker.CfnModel.ContainerDefinitionProperty(
+                image=image_uri,
+                mode="SingleModel",
+                environment=dict(environment),
+                **_model_data(model_bucket.bucket_name, model_prefix),
+            ),
+        )
+        # SageMaker checks the role's access when it creates the model: policies must exist first.
+        self.cfn_model.node.add_dependency(self.role.node.find_child("DefaultPolicy"))
+
+        variant = sagemaker.CfnEndpointConfig.ProductionVariantProperty(
+            variant_name=VARIANT_NAME,
+            model_name=self.cfn_model.attr_model_name,
+            initial_instance_count=compute.min_instances,
+            initial_variant_weight=1,
+            instance_type=compute.instance_type,
+            instance_pools=[
+                sagemaker.CfnEndpointConfig.InstancePoolProperty(instance_type=p.instance_type, priority=p.priority)
+                for p in compute.pools_by_priority
+            ] or None,
+            variant_instance_provision_timeout_in_seconds=compute.provision_timeout_s,
+            model_data_download_timeout_in_seconds=compute.model_download_timeout_s,
+            container_startup_health_check_timeout_in_seconds=compute.startup_health_check_timeout_s,
+        )
+        self.cfn_endpoint_config = sagemaker.CfnEndpointConfig(
+            self,
+            "EndpointConfig",
+            production_variants=[variant],
+            kms_key_id=self.volume_key.key_arn if self.volume_key else None,
+        )
+        self.cfn_endpoint = sagemaker.CfnEndpoint(
+            self,
+            "Endpoint",
+            endpoint_name=endpoint_name,
+            endpoint_config_name=self.cfn_endpoint_config.attr_endpoint_config_name,
+        )
+        self.cfn_endpoint.node.add_dependency(self.log_group)
+
+        self.scalable_target = appscaling.ScalableTarget(
+            self,
+            "Scaling",
+            service_namespace=appscaling.ServiceNamespace.SAGEMAKER,
+            resource_id=f"endpoint/{endpoint_name}/variant/{VARIANT_NAME}",
+            scalable_dimension="sagemaker:variant:DesiredInstanceCount",
+            min_capacity=compute.min_instances,
+            max_capacity=compute.max_instances,
+            # SageMaker variants scale through Application Auto Scaling's service-linked role.
+            role=iam.Role.from_role_arn(
+                self, "ScalingRole",
+                f"arn:{stack.partition}:iam::{stack.account}:role/aws-service-role/"
+                "sagemaker.application-autoscaling.amazonaws.com/"
+                "AWSServiceRoleForApplicationAutoScaling_SageMakerEndpoint",
+                mutable=False),
+        )
+        self.scalable_target.node.add_dependency(self.cfn_endpoint)
+        self.scalable_target.scale_to_track_metric(
+            "InvocationsPerInstance",
+            target_value=compute.target_invocations_per_instance,
+            predefined_metric=appscaling.PredefinedMetric.SAGEMAKER_VARIANT_INVOCATIONS_PER_INSTANCE,
+            scale_in_cooldown=Duration.minutes(10),
+            scale_out_cooldown=Duration.minutes(3),
+        )
+
+        self.alarm_topic = alarm_topic
+        self.alarms: dict[str, cloudwatch.Alarm] = sagemaker_endpoint_alarms(
+            self, endpoint_name=endpoint_name, variant_name=VARIANT_NAME, topic=alarm_topic,
+            thresholds=alarm_thresholds,
+        )
+
+    @property
+    def grant_principal(self) -> iam.IPrincipal:
+        return self.role
+
+    def metric(self, metric_name: str, *, statistic: str = "Sum",
+               period: Duration = Duration.minutes(5)) -> cloudwatch.Metric:
+        return cloudwatch.Metric(namespace="AWS/SageMaker", metric_name=metric_name, statistic=statistic,
+                                 period=period,
+                                 dimensions_map={"EndpointName": self.endpoint_name, "VariantName": VARIANT_NAME})
+
+    def grant_invoke(self, grantee: iam.IGrantable) -> iam.Grant:
+        """``sagemaker:InvokeEndpoint`` on this endpoint only."""
+        return iam.Grant.add_to_principal(grantee=grantee, actions=["sagemaker:InvokeEndpoint"],
+                                          resource_arns=[self.endpoint_arn])
+
+
+def _model_data(bucket_name: str, model_prefix: str) -> dict:
+    uri = f"s3://{bucket_name}/{model_prefix}"
+    if model_prefix.endswith(".tar.gz"):
+        source = sagemaker.CfnModel.S3DataSourceProperty(s3_uri=uri, s3_data_type="S3Object",
+                                                         compression_type="Gzip")
+    else:
+        source = sagemaker.CfnModel.S3DataSourceProperty(s3_uri=uri, s3_data_type="S3Prefix",
+                                                         compression_type="None")
+    return {"model_data_source": sagemaker.CfnModel.ModelDataSourceProperty(s3_data_source=source)}

@@ -1,0 +1,1 @@
+"""Deployable units. Each stack composes constructs from ``constructs_lib`` and wires grants and outputs."""

@@ -1,0 +1,348 @@
+"""Decision and chat endpoint constructs, asserted on a purpose-built small app."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aws_cdk import App, Environment, Stack, aws_ecr as ecr, aws_iam as iam, aws_kms as kms
+from aws_cdk import aws_logs as logs, aws_s3 as s3, aws_sns as sns
+from aws_cdk.assertions import Match, Template
+
+from config import AdapterSettings
+from constructs_lib.chat_endpoint import ChatEndpoint
+from constructs_lib.decision_endpoint import DecisionEndpoint
+from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
+from constructs_lib.endpoint_compute import EndpointCompute, InstancePool
+from constructs_lib.image_sources import BuiltImage, DlcImage
+
+ENV = Environment(account="123456789012", region="us-east-1")
+DIGEST = "sha256:" + "ab" * 32
+GPU_POOLS = [("ml.g6e.xlarge", 1), ("ml.g6.xlarge", 2), ("ml.g5.xlarge", 3), ("ml.g4dn.xlarge", 4)]
+ADAPTER = AdapterSettings(n_ctx=4096, n_batch=512, n_threads=8, n_gpu_layers=-1, scoring="label", prefix_cache=True,
+                          max_queue=8, queue_timeout_s=30, retry_after_s=1, max_options=255, max_questions=400,
+                          max_body_bytes=1048576, log_level="INFO")
+THRESHOLDS = EndpointAlarmThresholds(invocation_5xx_per_5min=3, model_latency_p95_ms=4000, overload_503_per_5min=7)
+
+
+def compute(**overrides) -> EndpointCompute:
+    values = dict(min_instances=1, max_instances=3, target_invocations_per_instance=50, model_download_timeout_s=1200,
+                  startup_health_check_timeout_s=900)
+    values.update(overrides)
+    return EndpointCompute(**values)
+
+
+def _deps(stack: Stack):
+    bucket = s3.Bucket.from_bucket_name(stack, "ModelBucket", "models-bucket")
+    key = kms.Key.from_key_arn(stack, "ModelKey",
+                               "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555")
+    topic = sns.Topic(stack, "Topic")
+    repo = ecr.Repository.from_repository_name(stack, "Repo", "semif-adapter")
+    return bucket, key, topic, repo
+
+
+def decision_stack(app: App, id_: str, *, compute_: EndpointCompute, model_prefix: str = "models/m/1/"):
+    stack = Stack(app, id_, env=ENV)
+    bucket, key, topic, repo = _deps(stack)
+    endpoint = DecisionEndpoint(
+        stack, "Decision", endpoint_name=f"{id_.lower()}-decision", image=BuiltImage(repository=repo, digest=DIGEST),
+        model_bucket=bucket, model_key=key, model_prefix=model_prefix, adapter_environment=ADAPTER.to_environment(),
+        compute=compute_, alarm_topic=topic, alarm_thresholds=THRESHOLDS, low_margin_threshold=0.15,
+        log_retention=logs.RetentionDays.ONE_MONTH,
+    )
+    app_role = iam.Role(stack, "AppRole", assumed_by=iam.AccountPrincipal("123456789012"))
+    endpoint.grant_invoke(app_role)
+    return stack, endpoint
+
+
+@pytest.fixture(scope="module")
+def stacks():
+    app = App()
+    gpu, gpu_endpoint = decision_stack(app, "Gpu", compute_=compute(
+        # Deliberately out of order: the construct emits them by priority.
+        instance_pools=[InstancePool(t, p) for t, p in reversed(GPU_POOLS)], provision_timeout_s=1800))
+    cpu, cpu_endpoint = decision_stack(app, "Cpu", compute_=compute(instance_type="ml.c6i.8xlarge"),
+                                       model_prefix="models/m/2/model.tar.gz")
+    chat = Stack(app, "Chat", env=ENV)
+    bucket, key, topic, _ = _deps(chat)
+    chat_endpoint = ChatEndpoint(
+        chat, "Chat", endpoint_name="chat-endpoint", image=DlcImage(variant="gpu"), model_bucket=bucket,
+        model_key=key, model_prefix="models/m/1/",
+        llama_cpp={"ctx_size": 4096, "n_gpu_layers": 999, "threads": 4, "batch_size": 512, "parallel": 2,
+                   "jinja": True, "mlock": False},
+        compute=compute(instance_type="ml.g6.xlarge"), alarm_topic=topic, alarm_thresholds=THRESHOLDS,
+        log_retention=logs.RetentionDays.ONE_MONTH,
+    )
+    chat_role = iam.Role(chat, "AppRole", assumed_by=iam.AccountPrincipal("123456789012"))
+    chat_endpoint.grant_invoke(chat_role)
+    return {
+        "gpu": Template.from_stack(gpu), "cpu": Template.from_stack(cpu), "chat": Template.from_stack(chat),
+        "gpu_endpoint": gpu_endpoint, "chat_stack": chat,
+    }
+
+
+def only(template: Template, type_: str) -> dict:
+    resources = template.find_resources(type_)
+    assert len(resources) == 1, f"expected one {type_}, found {len(resources)}"
+    return next(iter(resources.values()))
+
+
+def variant(template: Template) -> dict:
+    (production_variant,) = only(template, "AWS::SageMaker::EndpointConfig")["Properties"]["ProductionVariants"]
+    return production_variant
+
+
+def test_gpu_variant_uses_instance_pools_in_priority_order(stacks):
+    production_variant = variant(stacks["gpu"])
+    assert production_variant["InstancePools"] == [
+        {"InstanceType": "ml.g6e.xlarge", "Priority": 1},
+        {"InstanceType": "ml.g6.xlarge", "Priority": 2},
+        {"InstanceType": "ml.g5.xlarge", "Priority": 3},
+        {"InstanceType": "ml.g4dn.xlarge", "Priority": 4},
+    ]
+    assert "InstanceType" not in production_variant
+    assert production_variant["VariantInstanceProvisionTimeoutInSeconds"] == 1800
+
+
+def test_gpu_variant_with_local_nvme_gets_no_volume_key(stacks):
+    assert "KmsKeyId" not in only(stacks["gpu"], "AWS::SageMaker::EndpointConfig")["Properties"]
+    stacks["gpu"].resource_count_is("AWS::KMS::Key", 0)
+
+
+def test_cpu_variant_uses_fixed_instance_type_and_a_volume_key(stacks):
+    production_variant = variant(stacks["cpu"])
+    assert production_variant["InstanceType"] == "ml.c6i.8xlarge"
+    assert "InstancePools" not in production_variant
+    assert "VariantInstanceProvisionTimeoutInSeconds" not in production_variant
+    (key_id,) = stacks["cpu"].find_resources("AWS::KMS::Key", {"Properties": {"EnableKeyRotation": True}})
+    config = only(stacks["cpu"], "AWS::SageMaker::EndpointConfig")["Properties"]
+    assert config["KmsKeyId"] == {"Fn::GetAtt": [key_id, "Arn"]}
+
+
+def test_variant_has_download_and_startup_timeouts_and_min_instances(stacks):
+    production_variant = variant(stacks["gpu"])
+    assert production_variant["ModelDataDownloadTimeoutInSeconds"] == 1200
+    assert production_variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 900
+    assert production_variant["InitialInstanceCount"] == 1
+    assert production_variant["VariantName"] == "AllTraffic"
+
+
+def test_model_pins_the_image_by_digest_and_passes_it_to_the_adapter(stacks):
+    container = only(stacks["gpu"], "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]
+    image = json.dumps(container["Image"])
+    assert image.endswith(f'/semif-adapter@{DIGEST}"]]}}') or f"semif-adapter@{DIGEST}" in image
+    assert ":" + "latest" not in image
+    assert container["Environment"]["SEMIF_IMAGE_DIGEST"] == DIGEST
+
+
+def test_model_runs_with_network_isolation(stacks):
+    for name in ("gpu", "cpu", "chat"):
+        assert only(stacks[name], "AWS::SageMaker::Model")["Properties"]["EnableNetworkIsolation"] is True
+
+
+def test_model_reads_an_uncompressed_prefix(stacks):
+    container = only(stacks["gpu"], "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]
+    source = container["ModelDataSource"]["S3DataSource"]
+    assert source["S3DataType"] == "S3Prefix"
+    assert source["CompressionType"] == "None"
+    assert source["S3Uri"] == "s3://models-bucket/models/m/1/"
+
+
+def test_model_accepts_tar_gz_model_data(stacks):
+    container = only(stacks["cpu"], "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]
+    assert container["ModelDataSource"]["S3DataSource"] == {
+        "S3Uri": "s3://models-bucket/models/m/2/model.tar.gz", "S3DataType": "S3Object", "CompressionType": "Gzip"}
+
+
+def test_model_carries_the_adapter_environment(stacks):
+    environment = only(stacks["gpu"], "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]["Environment"]
+    assert {k: v for k, v in environment.items() if k != "SEMIF_IMAGE_DIGEST"} == ADAPTER.to_environment()
+    assert environment["SEMIF_PREFIX_CACHE"] == "1"
+    assert environment["SEMIF_MAX_QUEUE"] == "8"
+
+
+def test_endpoint_has_a_fixed_name_and_model_and_config_names_are_left_to_cloudformation(stacks):
+    endpoint = only(stacks["gpu"], "AWS::SageMaker::Endpoint")["Properties"]
+    assert endpoint["EndpointName"] == "gpu-decision"
+    config_id = next(iter(stacks["gpu"].find_resources("AWS::SageMaker::EndpointConfig")))
+    assert endpoint["EndpointConfigName"] == {"Fn::GetAtt": [config_id, "EndpointConfigName"]}
+    assert "ModelName" not in only(stacks["gpu"], "AWS::SageMaker::Model")["Properties"]
+    assert "EndpointConfigName" not in only(stacks["gpu"], "AWS::SageMaker::EndpointConfig")["Properties"]
+
+
+def test_model_waits_for_its_role_policy(stacks):
+    model = only(stacks["gpu"], "AWS::SageMaker::Model")
+    (policy_id,) = [k for k in stacks["gpu"].find_resources("AWS::IAM::Policy") if k.startswith("DecisionExecutionRole")]
+    assert policy_id in model["DependsOn"]
+
+
+def test_autoscaling_tracks_invocations_per_instance(stacks):
+    target = only(stacks["gpu"], "AWS::ApplicationAutoScaling::ScalableTarget")["Properties"]
+    assert target["ResourceId"] == "endpoint/gpu-decision/variant/AllTraffic"
+    assert target["ScalableDimension"] == "sagemaker:variant:DesiredInstanceCount"
+    assert (target["MinCapacity"], target["MaxCapacity"]) == (1, 3)
+    assert "AWSServiceRoleForApplicationAutoScaling_SageMakerEndpoint" in json.dumps(target["RoleARN"])
+    policy = only(stacks["gpu"], "AWS::ApplicationAutoScaling::ScalingPolicy")["Properties"]
+    tracking = policy["TargetTrackingScalingPolicyConfiguration"]
+    assert tracking["PredefinedMetricSpecification"]["PredefinedMetricType"] == "SageMakerVariantInvocationsPerInstance"
+    assert tracking["TargetValue"] == 50
+
+
+def test_log_group_is_the_endpoints_own_with_retention(stacks):
+    stacks["gpu"].has_resource_properties("AWS::Logs::LogGroup", {
+        "LogGroupName": "/aws/sagemaker/Endpoints/gpu-decision", "RetentionInDays": 30})
+    endpoint = only(stacks["gpu"], "AWS::SageMaker::Endpoint")
+    (log_group_id,) = stacks["gpu"].find_resources("AWS::Logs::LogGroup")
+    assert log_group_id in endpoint["DependsOn"]
+
+
+def test_metric_filter_counts_the_adapters_503_log_lines(stacks):
+    (log_group_id,) = stacks["gpu"].find_resources("AWS::Logs::LogGroup")
+    stacks["gpu"].has_resource_properties("AWS::Logs::MetricFilter", {
+        "FilterPattern": "{ $.status = 503 }",
+        "LogGroupName": {"Ref": log_group_id},
+        "MetricTransformations": [{"MetricName": "Overload503", "MetricNamespace": "SemIf/gpu-decision",
+                                   "MetricValue": "1", "Unit": "Count"}],
+    })
+
+
+def test_metric_filters_separate_client_errors_and_weak_decisions(stacks):
+    template = stacks["gpu"]
+    template.has_resource_properties("AWS::Logs::MetricFilter", {
+        "FilterPattern": "{ $.status >= 400 && $.status < 500 }",
+        "MetricTransformations": [Match.object_like({"MetricName": "ClientErrorsByCode",
+                                                     "Dimensions": [{"Key": "ErrorCode", "Value": "$.error_code"}]})],
+    })
+    template.has_resource_properties("AWS::Logs::MetricFilter", {
+        "FilterPattern": "{ $.margin < 0.15 }",
+        "MetricTransformations": [Match.object_like({"MetricName": "LowMarginDecisions"})],
+    })
+    for action in ("accept", "review", "abstain"):
+        template.has_resource_properties("AWS::Logs::MetricFilter", {
+            "FilterPattern": f'{{ $.action = "{action}" }}',
+            "MetricTransformations": [Match.object_like({"MetricName": f"Decisions{action.capitalize()}"})],
+        })
+
+
+def _alarm(template: Template, metric_name: str) -> dict:
+    alarms = [a["Properties"] for a in template.find_resources("AWS::CloudWatch::Alarm").values()
+              if a["Properties"].get("MetricName") == metric_name]
+    assert len(alarms) == 1, metric_name
+    return alarms[0]
+
+
+def test_alarms_notify_the_topic_on_alarm_and_ok(stacks):
+    template = stacks["gpu"]
+    (topic_id,) = template.find_resources("AWS::SNS::Topic")
+    overload = _alarm(template, "Overload503")
+    assert overload["Namespace"] == "SemIf/gpu-decision"
+    assert (overload["Statistic"], overload["Threshold"], overload["Period"]) == ("Sum", 7, 300)
+    errors = _alarm(template, "Invocation5XXErrors")
+    assert errors["Namespace"] == "AWS/SageMaker"
+    assert {d["Name"]: d["Value"] for d in errors["Dimensions"]} == {"EndpointName": "gpu-decision",
+                                                                     "VariantName": "AllTraffic"}
+    assert errors["Threshold"] == 3
+    latency = _alarm(template, "ModelLatency")
+    assert latency["ExtendedStatistic"] == "p95"
+    assert latency["Threshold"] == 4000 * 1000  # ModelLatency is in microseconds
+    for alarm in (overload, errors, latency):
+        assert alarm["AlarmActions"] == [{"Ref": topic_id}]
+        assert alarm["OKActions"] == [{"Ref": topic_id}]
+        assert alarm["TreatMissingData"] == "notBreaching"
+
+
+def test_dashboard_separates_failure_classes_from_latency_and_invocations(stacks):
+    body = json.dumps(only(stacks["gpu"], "AWS::CloudWatch::Dashboard")["Properties"]["DashboardBody"])
+    for title in ("Invocations", "Model latency", "503 overload (queue full)", "4xx by error_code",
+                  "Decisions by action", "Low-margin decisions", "Alarms"):
+        assert title in body, title
+    assert "ClientErrorsByCode" in body and "DecisionsAbstain" in body
+
+
+def _statements(template: Template, role_prefix: str) -> list[dict]:
+    statements = []
+    for logical_id, policy in template.find_resources("AWS::IAM::Policy").items():
+        if logical_id.startswith(role_prefix):
+            statements.extend(policy["Properties"]["PolicyDocument"]["Statement"])
+    return statements
+
+
+def _as_list(value):
+    return value if isinstance(value, list) else [value]
+
+
+def test_execution_role_names_every_resource_it_can_name(stacks):
+    statements = _statements(stacks["gpu"], "DecisionExecutionRole")
+    by_action = {}
+    for statement in statements:
+        for action in _as_list(statement["Action"]):
+            by_action.setdefault(action, []).extend(_as_list(statement["Resource"]))
+    assert set(by_action) == {
+        "s3:GetObject", "s3:ListBucket", "kms:Decrypt", "ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer",
+        "ecr:BatchCheckLayerAvailability", "ecr:GetAuthorizationToken", "logs:CreateLogStream",
+        "logs:PutLogEvents", "logs:DescribeLogStreams", "cloudwatch:PutMetricData",
+    }
+    wildcard_actions = {a for a, resources in by_action.items() if "*" in resources}
+    assert wildcard_actions == {"ecr:GetAuthorizationToken", "cloudwatch:PutMetricData"}
+    assert "models-bucket/models/m/1/*" in json.dumps(by_action["s3:GetObject"])
+    assert by_action["kms:Decrypt"] == ["arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555"]
+    assert "repository/semif-adapter" in json.dumps(by_action["ecr:BatchGetImage"])
+    (log_group_id,) = stacks["gpu"].find_resources("AWS::Logs::LogGroup")
+    assert by_action["logs:PutLogEvents"] == [{"Fn::GetAtt": [log_group_id, "Arn"]}]
+    (list_bucket,) = [s for s in statements if "s3:ListBucket" in _as_list(s["Action"])]
+    assert list_bucket["Condition"] == {"StringLike": {"s3:prefix": ["models/m/1/*"]}}
+    (metrics,) = [s for s in statements if "cloudwatch:PutMetricData" in _as_list(s["Action"])]
+    assert metrics["Condition"] == {"StringEquals": {"cloudwatch:namespace": "/aws/sagemaker/Endpoints"}}
+
+
+def test_grant_invoke_allows_invoke_endpoint_on_this_endpoint_only(stacks):
+    (statement,) = _statements(stacks["gpu"], "AppRole")
+    assert statement["Action"] == "sagemaker:InvokeEndpoint"
+    assert statement["Resource"] == {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"},
+                                                        ":sagemaker:us-east-1:123456789012:endpoint/gpu-decision"]]}
+
+
+def test_chat_grant_invoke_adds_bearer_tokens_for_the_openai_route(stacks):
+    statements = _statements(stacks["chat"], "AppRole")
+    by_action = {s["Action"]: s["Resource"] for s in statements}
+    assert set(by_action) == {"sagemaker:InvokeEndpoint", "sagemaker:CallWithBearerToken"}
+    assert "endpoint/chat-endpoint" in json.dumps(by_action["sagemaker:InvokeEndpoint"])
+    # SageMaker accepts no resource ARN for CallWithBearerToken; InvokeEndpoint bounds the endpoint.
+    assert by_action["sagemaker:CallWithBearerToken"] == "*"
+
+
+def test_chat_endpoint_runs_the_dlc_image_with_llama_cpp_environment(stacks):
+    container = only(stacks["chat"], "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]
+    assert container["Image"] == "763104351884.dkr.ecr.us-east-1.amazonaws.com/llama-cpp:server-sagemaker-cuda-v1"
+    assert container["Environment"] == {
+        "SM_LLAMA_CPP_CTX_SIZE": "4096", "SM_LLAMA_CPP_N_GPU_LAYERS": "999", "SM_LLAMA_CPP_THREADS": "4",
+        "SM_LLAMA_CPP_BATCH_SIZE": "512", "SM_LLAMA_CPP_PARALLEL": "2", "SM_LLAMA_CPP_JINJA": "true",
+    }
+    statements = _statements(stacks["chat"], "ChatExecutionRole")
+    pull = [s for s in statements if "ecr:BatchGetImage" in _as_list(s["Action"])]
+    assert "763104351884:repository/llama-cpp" in json.dumps(pull)
+
+
+def test_chat_endpoint_has_no_adapter_metrics(stacks):
+    stacks["chat"].resource_count_is("AWS::Logs::MetricFilter", 0)
+    assert len(stacks["chat"].find_resources("AWS::CloudWatch::Alarm")) == 2
+
+
+def test_decision_endpoint_exposes_its_parts(stacks):
+    endpoint = stacks["gpu_endpoint"]
+    for attribute in ("cfn_model", "cfn_endpoint_config", "cfn_endpoint", "role", "log_group", "dashboard"):
+        assert getattr(endpoint, attribute) is not None
+    assert endpoint.grant_principal is endpoint.role
+
+
+def test_adapter_environment_refuses_foreign_and_reserved_variables():
+    app = App()
+    for bad in ({"PATH": "/bin"}, {"SEMIF_IMAGE_DIGEST": "sha256:00"}):
+        stack = Stack(app, f"Bad{len(app.node.children)}", env=ENV)
+        bucket, key, topic, repo = _deps(stack)
+        with pytest.raises(ValueError, match="not allowed"):
+            DecisionEndpoint(stack, "D", endpoint_name="x", image=BuiltImage(repository=repo, digest=DIGEST),
+                             model_bucket=bucket, model_key=key, model_prefix="models/m/1/",
+                             adapter_environment=bad, compute=compute(instance_type="ml.c6i.xlarge"),
+                             alarm_topic=topic, alarm_thresholds=THRESHOLDS, low_margin_threshold=0.1,
+                             log_retention=logs.RetentionDays.ONE_DAY)

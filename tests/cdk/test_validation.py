@@ -1,0 +1,216 @@
+"""Settings that are wrong fail at synth, with a message that says what to fix."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from config import ConfigError, load_settings
+from constructs_lib.chat_endpoint import llama_cpp_environment
+from constructs_lib.endpoint_compute import EndpointCompute, InstancePool
+from constructs_lib.image_sources import dlc_image_uri
+
+BASE = dict(min_instances=1, max_instances=2, target_invocations_per_instance=10, model_download_timeout_s=600,
+            startup_health_check_timeout_s=600)
+POOLS = [InstancePool("ml.g6e.xlarge", 1), InstancePool("ml.g6.xlarge", 2)]
+
+
+def test_pools_and_a_fixed_instance_type_are_mutually_exclusive():
+    with pytest.raises(ValueError, match="either instance_type or instance_pools, never both"):
+        EndpointCompute(instance_type="ml.g5.xlarge", instance_pools=POOLS, **BASE)
+
+
+def test_one_of_instance_type_or_pools_is_required():
+    with pytest.raises(ValueError, match="set instance_type or instance_pools"):
+        EndpointCompute(**BASE)
+
+
+def test_more_than_five_pools_are_refused():
+    pools = [InstancePool(f"ml.g{n}.xlarge", n) for n in range(1, 7)]
+    with pytest.raises(ValueError, match="1 to 5 pools, got 6"):
+        EndpointCompute(instance_pools=pools, **BASE)
+
+
+def test_duplicate_pool_priorities_are_refused():
+    with pytest.raises(ValueError, match="priorities must be unique"):
+        EndpointCompute(instance_pools=[InstancePool("ml.g6.xlarge", 1), InstancePool("ml.g5.xlarge", 1)], **BASE)
+
+
+@pytest.mark.parametrize("priority", [0, 6])
+def test_pool_priorities_outside_one_to_five_are_refused(priority):
+    with pytest.raises(ValueError, match="priorities must be 1 to 5"):
+        EndpointCompute(instance_pools=[InstancePool("ml.g6.xlarge", priority)], **BASE)
+
+
+def test_provision_timeout_needs_pools():
+    with pytest.raises(ValueError, match="provision_timeout_s applies to instance_pools only"):
+        EndpointCompute(instance_type="ml.c6i.xlarge", provision_timeout_s=600, **BASE)
+
+
+def test_startup_health_check_below_the_dlc_minimum_is_refused():
+    with pytest.raises(ValueError, match="startup_health_check_timeout_s must be 600"):
+        EndpointCompute(instance_type="ml.c6i.xlarge", **{**BASE, "startup_health_check_timeout_s": 300})
+
+
+def test_instance_type_must_be_a_sagemaker_type():
+    with pytest.raises(ValueError, match="not a SageMaker instance type"):
+        EndpointCompute(instance_type="g5.xlarge", **BASE)
+
+
+def test_volume_key_only_where_sagemaker_accepts_it():
+    assert EndpointCompute(instance_type="ml.c6i.8xlarge", **BASE).supports_volume_kms_key
+    assert not EndpointCompute(instance_type="ml.c6id.8xlarge", **BASE).supports_volume_kms_key
+    assert not EndpointCompute(instance_pools=POOLS, **BASE).supports_volume_kms_key
+
+
+def test_llama_cpp_options_become_sm_llama_cpp_variables():
+    assert llama_cpp_environment({"ctx_size": 4096, "n_gpu_layers": 999, "threads": 8, "batch_size": 512,
+                                  "parallel": 1, "jinja": True, "no_mmap": False, "temp": 0}) == {
+        "SM_LLAMA_CPP_CTX_SIZE": "4096", "SM_LLAMA_CPP_N_GPU_LAYERS": "999", "SM_LLAMA_CPP_THREADS": "8",
+        "SM_LLAMA_CPP_BATCH_SIZE": "512", "SM_LLAMA_CPP_PARALLEL": "1", "SM_LLAMA_CPP_JINJA": "true",
+        "SM_LLAMA_CPP_TEMP": "0",
+    }
+
+
+def test_unknown_llama_cpp_option_is_refused():
+    with pytest.raises(ValueError, match="unknown llama-server option.*ctx_sise"):
+        llama_cpp_environment({"ctx_sise": 4096, "n_gpu_layers": 0, "threads": 8, "batch_size": 512, "parallel": 1})
+
+
+def test_llama_cpp_options_the_dlc_does_not_default_are_required():
+    with pytest.raises(ValueError, match="missing required option.*threads"):
+        llama_cpp_environment({"ctx_size": 4096, "n_gpu_layers": 0, "batch_size": 512, "parallel": 1})
+
+
+def test_mistyped_llama_cpp_option_is_refused():
+    with pytest.raises(ValueError, match="llama_cpp.ctx_size: expected int"):
+        llama_cpp_environment({"ctx_size": "4k", "n_gpu_layers": 0, "threads": 8, "batch_size": 512, "parallel": 1})
+
+
+def test_dlc_image_uri_uses_the_regional_registry_account():
+    assert dlc_image_uri("eu-west-1", "cpu") == (
+        "763104351884.dkr.ecr.eu-west-1.amazonaws.com/llama-cpp:server-sagemaker-cpu-v1")
+    assert dlc_image_uri("ap-east-1", "gpu").startswith("871362719292.dkr.ecr.ap-east-1.")
+    with pytest.raises(ValueError, match="no AWS Deep Learning Container registry account known for region"):
+        dlc_image_uri("xx-nowhere-1", "cpu")
+
+
+# ---- the environments file ----
+
+@pytest.fixture
+def raw_config():
+    from config import CONFIG_PATH
+
+    return json.loads(CONFIG_PATH.read_text())
+
+
+def _load(tmp_path, raw):
+    path = tmp_path / "environments.json"
+    path.write_text(json.dumps(raw))
+    return load_settings(path)
+
+
+def test_shipped_config_defines_dev_and_prod():
+    settings = load_settings()
+    assert {"dev", "prod"} <= set(settings.environments)
+    prod = settings.environment("prod")
+    assert prod.variant == "gpu"
+    assert [(p.instance_type, p.priority) for p in prod.decision.instance_pools] == [
+        ("ml.g6e.xlarge", 1), ("ml.g6.xlarge", 2), ("ml.g5.xlarge", 3), ("ml.g4dn.xlarge", 4)]
+    assert settings.environment("dev").decision.instance_type == "ml.c6i.8xlarge"
+
+
+def test_unknown_environment_is_a_clear_error():
+    with pytest.raises(ConfigError, match="unknown environment 'qa'; config/environments.json defines: dev, prod"):
+        load_settings().environment("qa")
+
+
+def test_unknown_key_in_config_is_refused(tmp_path, raw_config):
+    raw = copy.deepcopy(raw_config)
+    raw["environments"]["dev"]["decision"]["adapter"]["max_queu"] = 3
+    with pytest.raises(ConfigError, match=r"environments.dev.decision.adapter: unknown key\(s\) max_queu"):
+        _load(tmp_path, raw)
+
+
+def test_missing_key_in_config_is_refused(tmp_path, raw_config):
+    raw = copy.deepcopy(raw_config)
+    del raw["environments"]["prod"]["alarms"]["model_latency_p95_ms"]
+    with pytest.raises(ConfigError, match=r"environments.prod.alarms: missing key\(s\) model_latency_p95_ms"):
+        _load(tmp_path, raw)
+
+
+def test_wrong_type_in_config_is_refused(tmp_path, raw_config):
+    raw = copy.deepcopy(raw_config)
+    raw["environments"]["dev"]["decision"]["min_instances"] = "1"
+    with pytest.raises(ConfigError, match="environments.dev.decision.min_instances: expected an integer"):
+        _load(tmp_path, raw)
+
+
+def test_bad_variant_account_and_endpoint_name_are_refused(tmp_path, raw_config):
+    for path, value, message in [
+        (("variant",), "tpu", "'tpu' is not one of cpu, gpu"),
+        (("account",), "12345", "not a 12-digit account id"),
+        (("decision", "endpoint_name"), "Semif_Dev", "must be lowercase letters, digits and '-'"),
+        (("model_prefix",), "weights/x/", "must be 'models/<name>/<version>/'"),
+    ]:
+        raw = copy.deepcopy(raw_config)
+        node = raw["environments"]["dev"]
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        with pytest.raises(ConfigError, match=message):
+            _load(tmp_path, raw)
+
+
+def test_pipeline_stage_must_be_a_defined_environment(tmp_path, raw_config):
+    raw = copy.deepcopy(raw_config)
+    raw["pipeline"]["stages"] = ["dev", "staging"]
+    with pytest.raises(ConfigError, match="pipeline: stage 'staging' is not a defined environment"):
+        _load(tmp_path, raw)
+
+
+def test_adapter_settings_render_the_semif_contract():
+    environment = load_settings().environment("dev").decision.adapter.to_environment()
+    documented = {"SEMIF_N_CTX", "SEMIF_N_BATCH", "SEMIF_N_THREADS", "SEMIF_N_GPU_LAYERS", "SEMIF_SCORING",
+                  "SEMIF_PREFIX_CACHE", "SEMIF_MAX_QUEUE", "SEMIF_QUEUE_TIMEOUT_S", "SEMIF_RETRY_AFTER_S",
+                  "SEMIF_MAX_OPTIONS", "SEMIF_MAX_QUESTIONS", "SEMIF_MAX_BODY_BYTES", "SEMIF_LOG_LEVEL"}
+    assert set(environment) == documented
+
+
+def test_every_rendered_variable_is_in_the_configuration_doc():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for name in load_settings().environment("prod").decision.adapter.to_environment():
+        assert f"`{name}`" in doc, name
+    assert "`SEMIF_IMAGE_DIGEST`" in doc
+
+
+# ---- properties ----
+
+_GPU_TYPES = ["ml.g6e.xlarge", "ml.g6.xlarge", "ml.g5.xlarge", "ml.g4dn.xlarge", "ml.g6e.2xlarge"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(range(1, 6)), st.integers(min_value=1, max_value=5))
+def test_valid_pools_come_out_in_priority_order_whatever_order_they_go_in(priorities, count):
+    pools = [InstancePool(t, p) for t, p in zip(_GPU_TYPES[:count], priorities[:count])]
+    compute = EndpointCompute(instance_pools=pools, provision_timeout_s=600, **BASE)
+    ordered = [p.priority for p in compute.pools_by_priority]
+    assert ordered == sorted(p.priority for p in pools)
+    assert set(compute.instance_types) == {p.instance_type for p in pools}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=-2, max_value=8), min_size=0, max_size=7))
+def test_any_pool_list_is_either_valid_or_refused_with_a_reason(priorities):
+    pools = [InstancePool(f"ml.g{i + 4}.xlarge", p) for i, p in enumerate(priorities)]
+    valid = (1 <= len(pools) <= 5 and len(set(priorities)) == len(priorities)
+             and all(1 <= p <= 5 for p in priorities))
+    if valid:
+        assert len(EndpointCompute(instance_pools=pools, **BASE).pools_by_priority) == len(pools)
+    else:
+        with pytest.raises(ValueError, match="invalid endpoint compute: "):
+            EndpointCompute(instance_pools=pools, **BASE)
