@@ -1,0 +1,347 @@
+"""Calibration: temperature scaling fitted by NLL, contextual calibration, the calibration file, and
+the metrics that judge probabilities (NLL, Brier, ECE, reliability bins, accuracy/coverage).
+
+Pure numpy; the adapter imports it to apply a calibration file, the CLIs to fit and report.
+
+Calibration file (JSON, written by `semif-calibrate`, loaded by the adapter from `SEMIF_CALIBRATION_PATH`):
+
+    {"format": "semif-calibration", "format_version": 1, "version": "<12 hex of the fitted content>",
+     "model_sha256": "...", "model_file": "...", "template_version": "...",
+     "scorings": {"label": {"global": {"temperature": 1.7, "n": 29},
+                            "per_decision": {"route": {"temperature": 1.2, "n": 6}, ...},
+                            "contextual": {"route": {"options_sha256": "...", "log_prior": [...]}}}},
+     "policy": {"min_probability": 0.7, ...} (optional: the adapter's default abstention policy),
+     "fit": {... cross-validated report ...}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+FORMAT = "semif-calibration"
+FORMAT_VERSION = 1
+ECE_BINS = 15
+BETA_MIN, BETA_MAX = 1e-3, 100.0  # inverse temperature range: T in [0.01, 1000]
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used (wrong model, wrong format, bad values)."""
+
+
+# ---- probabilities and metrics ------------------------------------------------------------------
+
+
+def softmax(logits: Sequence[float], temperature: float = 1.0) -> np.ndarray:
+    values = np.asarray(logits, dtype=np.float64) / temperature
+    values = np.exp(values - values.max())
+    return values / values.sum()
+
+
+def nll(probabilities: Sequence[Sequence[float]], answers: Sequence[int]) -> float:
+    """Mean negative log-likelihood of the right answers (natural log; p clipped at 1e-12)."""
+    losses = [-math.log(max(float(p[y]), 1e-12)) for p, y in zip(probabilities, answers)]
+    return float(np.mean(losses)) if losses else float("nan")
+
+
+def brier(probabilities: Sequence[Sequence[float]], answers: Sequence[int]) -> float:
+    """Mean multi-class Brier score: Σ_k (p_k − 1[k = answer])², averaged over cases (0 is perfect, 2 is worst)."""
+    scores = []
+    for p, y in zip(probabilities, answers):
+        target = np.zeros(len(p))
+        target[y] = 1.0
+        scores.append(float(np.sum((np.asarray(p, dtype=np.float64) - target) ** 2)))
+    return float(np.mean(scores)) if scores else float("nan")
+
+
+def reliability_bins(confidences: Sequence[float], correct: Sequence[bool], n_bins: int = ECE_BINS) -> list[dict]:
+    """Equal-width bins over (0, 1], right-closed as in Guo et al. 2017: bin b holds (b/n, (b+1)/n]."""
+    bins = [{"lo": b / n_bins, "hi": (b + 1) / n_bins, "count": 0, "confidence": 0.0, "accuracy": 0.0} for b in range(n_bins)]
+    for conf, ok in zip(confidences, correct):
+        index = min(max(math.ceil(conf * n_bins) - 1, 0), n_bins - 1)
+        bins[index]["count"] += 1
+        bins[index]["confidence"] += conf
+        bins[index]["accuracy"] += 1.0 if ok else 0.0
+    for b in bins:
+        if b["count"]:
+            b["confidence"] /= b["count"]
+            b["accuracy"] /= b["count"]
+    return bins
+
+
+def ece(confidences: Sequence[float], correct: Sequence[bool], n_bins: int = ECE_BINS) -> float:
+    """Expected calibration error: Σ_b (|b|/n)·|accuracy(b) − confidence(b)|."""
+    n = len(confidences)
+    if n == 0:
+        return float("nan")
+    return float(sum(b["count"] / n * abs(b["accuracy"] - b["confidence"]) for b in reliability_bins(confidences, correct, n_bins)))
+
+
+def accuracy_coverage(confidences: Sequence[float], correct: Sequence[bool]) -> list[dict]:
+    """For each distinct confidence threshold t (highest first): coverage = share of cases with
+    confidence ≥ t, accuracy = accuracy of those cases."""
+    n = len(confidences)
+    order = sorted(range(n), key=lambda i: -confidences[i])
+    curve, hits = [], 0
+    for rank, i in enumerate(order, start=1):
+        hits += 1 if correct[i] else 0
+        is_last_of_tie = rank == n or confidences[order[rank]] != confidences[i]
+        if is_last_of_tie:
+            curve.append({"threshold": float(confidences[i]), "coverage": rank / n, "accuracy": hits / rank, "accepted": rank})
+    return curve
+
+
+def probability_metrics(probabilities: Sequence[Sequence[float]], answers: Sequence[int]) -> dict:
+    confidences = [float(max(p)) for p in probabilities]
+    correct = [int(np.argmax(p)) == y for p, y in zip(probabilities, answers)]
+    return {
+        "n": len(answers),
+        "accuracy": float(np.mean(correct)) if correct else float("nan"),
+        "nll": nll(probabilities, answers),
+        "brier": brier(probabilities, answers),
+        "ece": ece(confidences, correct),
+        "mean_confidence": float(np.mean(confidences)) if confidences else float("nan"),
+    }
+
+
+# ---- temperature scaling ------------------------------------------------------------------------
+
+
+def _nll_grad(beta: float, groups: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
+    """d/dβ of Σ [logsumexp(β z) − β z_y] = Σ (E_p[z] − z_y); increasing in β (the NLL is convex in β).
+    ``groups``: (logits matrix, answers) per option count, so each step is a few matrix operations."""
+    total = 0.0
+    for z, y in groups:
+        scaled = z * beta
+        p = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        total += float(np.sum(p * z) - z[np.arange(len(y)), y].sum())
+    return total
+
+
+def fit_temperature(logits: Sequence[Sequence[float]], answers: Sequence[int]) -> float:
+    """The temperature T minimising the NLL of softmax(z / T) on labeled cases. Bisection on the
+    gradient in log β; T is clamped to [0.01, 1000] (all-correct, separable data pushes T → 0)."""
+    if not logits:
+        return 1.0
+    by_width: dict[int, tuple[list, list]] = {}
+    for z, y in zip(logits, answers):
+        rows, ys = by_width.setdefault(len(z), ([], []))
+        rows.append(z)
+        ys.append(y)
+    arrays = [(np.asarray(rows, dtype=np.float64), np.asarray(ys, dtype=np.int64)) for rows, ys in by_width.values()]
+    lo, hi = math.log(BETA_MIN), math.log(BETA_MAX)
+    if _nll_grad(math.exp(lo), arrays) >= 0:
+        return 1.0 / BETA_MIN
+    if _nll_grad(math.exp(hi), arrays) <= 0:
+        return 1.0 / BETA_MAX
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if _nll_grad(math.exp(mid), arrays) > 0:
+            hi = mid
+        else:
+            lo = mid
+    return 1.0 / math.exp((lo + hi) / 2)
+
+
+# ---- contextual calibration (Zhao et al. 2021) ----------------------------------------------------
+
+
+def contextual_log_prior(content_free_logits: Sequence[Sequence[float]]) -> list[float]:
+    """log of the mean content-free distribution over options; subtracting it from the logits
+    divides each probability by the model's prior for that option (W = diag(p_cf)⁻¹, b = 0)."""
+    mean = np.mean([softmax(z) for z in content_free_logits], axis=0)
+    return np.log(np.clip(mean, 1e-12, None)).tolist()
+
+
+def apply_contextual(logits: Sequence[float], log_prior: Sequence[float]) -> list[float]:
+    return (np.asarray(logits, dtype=np.float64) - np.asarray(log_prior, dtype=np.float64)).tolist()
+
+
+# ---- cross-validation -----------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One labeled decision as scored: its grouping key, answer index and raw option logits."""
+
+    key: str
+    answer: int
+    logits: list[float]
+    log_prior: Optional[list[float]] = None  # contextual calibration prior for its option set
+
+
+def fit_temperatures(cases: Sequence[Case], *, min_per_decision: int = 5, contextual: bool = False) -> dict:
+    """A global temperature and one per decision key that has at least ``min_per_decision`` cases."""
+
+    def logits_of(c: Case) -> list[float]:
+        return apply_contextual(c.logits, c.log_prior) if contextual and c.log_prior is not None else c.logits
+
+    fitted = {"global": {"temperature": fit_temperature([logits_of(c) for c in cases], [c.answer for c in cases]), "n": len(cases)}}
+    per_decision = {}
+    for key in sorted({c.key for c in cases}):
+        group = [c for c in cases if c.key == key]
+        if len(group) >= min_per_decision:
+            per_decision[key] = {"temperature": fit_temperature([logits_of(c) for c in group], [c.answer for c in group]), "n": len(group)}
+    fitted["per_decision"] = per_decision
+    return fitted
+
+
+def temperature_for(fitted: dict, key: Optional[str]) -> tuple[float, str]:
+    entry = fitted.get("per_decision", {}).get(key) if key is not None else None
+    if entry is not None:
+        return float(entry["temperature"]), "decision"
+    return float(fitted["global"]["temperature"]), "global"
+
+
+def kfold_indices(n: int, k: int, seed: int = 0) -> list[list[int]]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    k = max(2, min(k, n))
+    return [sorted(order[f::k]) for f in range(k)]
+
+
+def cross_validate(cases: Sequence[Case], *, k: int = 5, seed: int = 0, min_per_decision: int = 5) -> dict:
+    """Held-out metrics of raw, temperature-scaled, contextual and contextual+temperature
+    probabilities. Each fold's temperatures are fitted on the other folds only."""
+    methods: dict[str, list] = {"raw": [None] * len(cases), "temperature": [None] * len(cases)}
+    has_prior = bool(cases) and all(c.log_prior is not None for c in cases)
+    if has_prior:
+        methods["contextual"] = [None] * len(cases)
+        methods["contextual+temperature"] = [None] * len(cases)
+    folds = kfold_indices(len(cases), k, seed)
+    for test in folds:
+        held = set(test)
+        train = [c for i, c in enumerate(cases) if i not in held]
+        plain = fit_temperatures(train, min_per_decision=min_per_decision)
+        ctx = fit_temperatures(train, min_per_decision=min_per_decision, contextual=True) if has_prior else None
+        for i in test:
+            c = cases[i]
+            methods["raw"][i] = softmax(c.logits).tolist()
+            methods["temperature"][i] = softmax(c.logits, temperature_for(plain, c.key)[0]).tolist()
+            if has_prior:
+                shifted = apply_contextual(c.logits, c.log_prior)
+                methods["contextual"][i] = softmax(shifted).tolist()
+                methods["contextual+temperature"][i] = softmax(shifted, temperature_for(ctx, c.key)[0]).tolist()
+    answers = [c.answer for c in cases]
+    return {
+        "k": len(folds),
+        "seed": seed,
+        "min_per_decision": min_per_decision,
+        "methods": {name: probability_metrics(probs, answers) for name, probs in methods.items()},
+        "probabilities": methods,
+    }
+
+
+# ---- the calibration file -------------------------------------------------------------------------
+
+
+def content_version(payload: dict) -> str:
+    """12 hex digits of the fitted content: the same fit gives the same version."""
+    fitted = {k: payload[k] for k in ("model_sha256", "scorings", "policy") if k in payload}
+    return hashlib.sha256(json.dumps(fitted, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_file(*, model_sha256: str, model_file: str, template_version: str, scorings: dict, fit: dict, policy: Optional[dict] = None) -> dict:
+    payload: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_sha256": model_sha256,
+        "model_file": model_file,
+        "template_version": template_version,
+        "scorings": scorings,
+    }
+    if policy is not None:
+        payload["policy"] = policy
+    payload["version"] = content_version(payload)
+    payload["fit"] = fit
+    return payload
+
+
+@dataclass
+class Calibration:
+    """A loaded calibration file, checked against the served model."""
+
+    version: str
+    model_sha256: str
+    scorings: dict
+    policy: Optional[dict] = None
+    path: Optional[str] = None
+    raw: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, payload: Any, *, source: str = "<calibration>") -> "Calibration":
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            raise CalibrationError(f"{source}: not a SemIf calibration file (missing \"format\": \"{FORMAT}\")")
+        if payload.get("format_version") != FORMAT_VERSION:
+            raise CalibrationError(f"{source}: format_version {payload.get('format_version')!r} is not supported (want {FORMAT_VERSION})")
+        sha = payload.get("model_sha256")
+        if not isinstance(sha, str) or len(sha) != 64:
+            raise CalibrationError(f"{source}: model_sha256 is missing or not a sha256")
+        scorings = payload.get("scorings")
+        if not isinstance(scorings, dict) or not scorings:
+            raise CalibrationError(f"{source}: no fitted scorings")
+        for scoring, fitted in scorings.items():
+            temps = [fitted.get("global", {}).get("temperature")] + [e.get("temperature") for e in fitted.get("per_decision", {}).values()]
+            for t in temps:
+                if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+                    raise CalibrationError(f"{source}: scorings.{scoring} has an invalid temperature {t!r}")
+        policy = payload.get("policy")
+        if policy is not None:
+            from .policy import Policy, PolicyError
+
+            try:
+                Policy.from_mapping(policy)
+            except PolicyError as exc:
+                raise CalibrationError(f"{source}: {exc.field}: {exc}") from None
+        return cls(version=str(payload.get("version") or content_version(payload)), model_sha256=sha, scorings=scorings,
+                   policy=policy, path=source, raw=payload)
+
+    @classmethod
+    def load(cls, path: str | Path, *, model_sha256: Optional[str] = None) -> "Calibration":
+        path = Path(path)
+        try:
+            payload = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CalibrationError(f"{path}: cannot read calibration file: {exc}") from None
+        calibration = cls.from_dict(payload, source=str(path))
+        if model_sha256 is not None and calibration.model_sha256 != model_sha256:
+            raise CalibrationError(
+                f"{path} was fitted for model sha256 {calibration.model_sha256[:12]}…, but the served model is "
+                f"{model_sha256[:12]}…; refit it with `semif-calibrate --model <this model>` or unset SEMIF_CALIBRATION_PATH"
+            )
+        return calibration
+
+    def calibrate(self, logits: Sequence[float], *, scoring: str, decision_id: Optional[str], options_sha256: Optional[str]) -> Optional[tuple[list[float], dict]]:
+        """(calibrated probabilities, record for the result), or None when the file has no fit for
+        ``scoring``. Contextual calibration applies only to the option set it was measured on."""
+        fitted = self.scorings.get(scoring)
+        if fitted is None:
+            return None
+        values = list(logits)
+        method = "temperature"
+        contextual = fitted.get("contextual", {}).get(decision_id) if decision_id is not None else None
+        if contextual is not None and contextual.get("options_sha256") == options_sha256 and len(contextual["log_prior"]) == len(values):
+            values = apply_contextual(values, contextual["log_prior"])
+            method = "contextual+temperature"
+            table = fitted.get("contextual_temperatures", fitted)
+        else:
+            table = fitted
+        temperature, source = temperature_for(table, decision_id)
+        record = {"version": self.version, "method": method, "temperature": temperature, "temperature_source": source}
+        return softmax(values, temperature).tolist(), record
+
+
+def load_cases(rows: Iterable[dict], logits: Sequence[Sequence[float]], key: Callable[[dict], str]) -> list[Case]:
+    cases = []
+    for row, z in zip(rows, logits):
+        ids = [o["id"] for o in row["options"]]
+        cases.append(Case(key=key(row), answer=ids.index(row["answer"]), logits=list(z)))
+    return cases

@@ -1,0 +1,134 @@
+"""A thin client for the SemIf schema, over HTTP or a SageMaker endpoint, with retries.
+
+    with SemIfClient("http://127.0.0.1:8080") as client:                 # local adapter
+        result = client.decide("The VPN drops every ten minutes.", "Which team?", ["hardware", "network"])
+    with SemIfClient.for_endpoint("semif-prod", region_name="eu-west-1") as client:   # SageMaker
+        ...
+    result["choice"], result["probabilities"], result.attempts
+
+For System One or OpenAI Decisions use the official SDKs with `semif.sagemaker_transport`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import httpx
+
+from .sagemaker_transport import ATTEMPTS_HEADER, RetryingTransport, RetryPolicy, RetryStats, SageMakerTransport
+
+Options = Union[Sequence[str], Sequence[Mapping[str, Any]], Mapping[str, Optional[str]]]
+
+
+class SemIfError(Exception):
+    """The adapter refused the request (4xx), or kept refusing it (503 after every retry). Carries the
+    adapter's JSON error: ``status``, ``code``, ``message``, ``field`` and the whole ``body``."""
+
+    def __init__(self, status: int, body: Any, attempts: int = 1):
+        error = body.get("error", {}) if isinstance(body, dict) else {}
+        error = error if isinstance(error, dict) else {"message": str(error)}
+        self.status = status
+        self.body = body
+        self.code = error.get("code")
+        self.message = error.get("message") or (body if isinstance(body, str) else "")
+        self.field = error.get("field")
+        self.attempts = attempts
+        super().__init__(f"HTTP {status} {self.code}: {self.message}" + (f" (field {self.field})" if self.field else ""))
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in (429, 503)
+
+
+class SemIfResult(dict):
+    """The adapter's JSON answer, plus how many attempts it took (`attempts`)."""
+
+    attempts: int = 1
+
+
+def normalize_options(options: Options) -> list[dict]:
+    if isinstance(options, Mapping):
+        return [{"id": key, **({"description": value} if value else {})} for key, value in options.items()]
+    normalized = []
+    for option in options:
+        if isinstance(option, str):
+            normalized.append({"id": option})
+        else:
+            normalized.append({k: v for k, v in dict(option).items() if v is not None})
+    return normalized
+
+
+class SemIfClient:
+    def __init__(self, base_url: Optional[str] = None, *, transport=None, retry: RetryPolicy = RetryPolicy(),
+                 stats: Optional[RetryStats] = None, timeout_s: float = 70.0, api_key: Optional[str] = None,
+                 path: str = "/invocations"):
+        """``base_url`` of a running adapter, or a ready ``transport`` (e.g. a `SageMakerTransport`)."""
+        if transport is None:
+            if base_url is None:
+                raise ValueError("give base_url (HTTP) or transport (e.g. SemIfClient.for_endpoint)")
+            transport = RetryingTransport(retry=retry, stats=stats)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.transport = transport
+        self.path = path
+        self._http = httpx.Client(base_url=base_url or "https://sagemaker.invalid", transport=transport,
+                                  timeout=timeout_s, headers=headers)
+
+    @classmethod
+    def for_endpoint(cls, endpoint_name: str, *, region_name: Optional[str] = None, sagemaker_client=None,
+                     retry: RetryPolicy = RetryPolicy(), stats: Optional[RetryStats] = None, **kwargs) -> "SemIfClient":
+        transport = SageMakerTransport(endpoint_name, region_name=region_name, client=sagemaker_client, retry=retry, stats=stats)
+        return cls(transport=transport, **kwargs)
+
+    @property
+    def stats(self) -> Optional[RetryStats]:
+        return getattr(self.transport, "stats", None)
+
+    def send(self, body: Mapping[str, Any], *, path: Optional[str] = None) -> SemIfResult:
+        response = self._http.post(path or self.path, json=body)
+        attempts = int(response.headers.get(ATTEMPTS_HEADER, "1"))
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = response.text
+        if response.status_code != 200:
+            raise SemIfError(response.status_code, payload, attempts)
+        result = SemIfResult(payload)
+        result.attempts = attempts
+        return result
+
+    def decide(self, state: str, question: str, options: Options, *, id: str = "decision", scoring: Optional[str] = None,
+               policy: Optional[Mapping[str, Any]] = None, return_prompt: bool = False) -> SemIfResult:
+        body: dict[str, Any] = {"decision": {"id": id, "state": state, "question": question, "options": normalize_options(options)}}
+        if scoring:
+            body["scoring"] = scoring
+        if policy is not None:
+            body["policy"] = dict(policy)
+        if return_prompt:
+            body["return_prompt"] = True
+        return self.send(body)
+
+    def decide_many(self, state: str, decisions: Sequence[Mapping[str, Any]], *, scoring: Optional[str] = None,
+                    policy: Optional[Mapping[str, Any]] = None) -> SemIfResult:
+        """One shared state, several decisions (`{"id", "question", "options"}`); the state is evaluated once."""
+        body: dict[str, Any] = {
+            "state": state,
+            "decisions": [{**d, "options": normalize_options(d["options"])} for d in decisions],
+        }
+        if scoring:
+            body["scoring"] = scoring
+        if policy is not None:
+            body["policy"] = dict(policy)
+        return self.send(body)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], *, max_tokens: int = 16, temperature: float = 0.0) -> SemIfResult:
+        """OpenAI-style `/v1/chat/completions` on the same adapter, where it offers that route."""
+        return self.send({"messages": list(messages), "max_tokens": max_tokens, "temperature": temperature}, path="/v1/chat/completions")
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "SemIfClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,141 @@
+"""Abstention policy: turn a distribution into a business action.
+
+    {"min_probability": 0.7, "min_margin": 0.2, "fallback": "escalate"}
+
+A result is **accepted** when its top probability is at least ``min_probability`` and its margin
+(top minus second probability) is at least ``min_margin``. Otherwise the policy's ``fallback`` decides:
+``"review"`` (the default) sends the model's choice to a person as a suggestion; any other value
+(``"abstain"``, ``"escalate"``, an option id, …) means the model **abstains** and the caller takes the
+named fallback path instead of the model's choice. Knows nothing of HTTP or llama.cpp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+ACTIONS = ("accept", "review", "abstain")
+# Most severe first: a batch's log line reports the most severe action of its results.
+SEVERITY = {"abstain": 2, "review": 1, "accept": 0}
+EPSILON = 1e-9
+
+
+class PolicyError(ValueError):
+    """A policy object is invalid; ``field`` names the offending key."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Policy:
+    min_probability: float = 0.0
+    min_margin: float = 0.0
+    fallback: str = "review"
+
+    @classmethod
+    def from_mapping(cls, raw: Any) -> "Policy":
+        if not isinstance(raw, Mapping):
+            raise PolicyError("policy must be an object", "policy")
+        unknown = set(raw) - {"min_probability", "min_margin", "fallback"}
+        if unknown:
+            raise PolicyError(f"unknown policy key(s): {', '.join(sorted(unknown))}", f"policy.{sorted(unknown)[0]}")
+        values: dict[str, Any] = {}
+        for key in ("min_probability", "min_margin"):
+            if key in raw and raw[key] is not None:
+                value = raw[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise PolicyError(f"{key} must be a number", f"policy.{key}")
+                if not 0.0 <= value <= 1.0:
+                    raise PolicyError(f"{key}={value} must be between 0 and 1", f"policy.{key}")
+                values[key] = float(value)
+        if raw.get("fallback") is not None:
+            fallback = raw["fallback"]
+            if not isinstance(fallback, str) or not fallback.strip() or len(fallback) > 256:
+                raise PolicyError("fallback must be a non-empty string of at most 256 characters", "policy.fallback")
+            values["fallback"] = fallback
+        return cls(**values)
+
+    def as_dict(self) -> dict:
+        return {"min_probability": self.min_probability, "min_margin": self.min_margin, "fallback": self.fallback}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str  # accept | review | abstain
+    reason: str
+    fallback: Optional[str] = None  # set when the model abstains: the path the caller should take
+
+
+def top_and_margin(probabilities: Sequence[float]) -> tuple[int, float, float]:
+    """(index of the top option, its probability, top minus second probability)."""
+    ranked = sorted(range(len(probabilities)), key=lambda i: -probabilities[i])
+    top = ranked[0]
+    second = probabilities[ranked[1]] if len(ranked) > 1 else 0.0
+    return top, float(probabilities[top]), float(probabilities[top] - second)
+
+
+def decide(probabilities: Sequence[float], policy: Policy) -> Verdict:
+    """The action for one distribution. Thresholds are inclusive: p == min_probability is accepted."""
+    _, p_top, margin = top_and_margin(probabilities)
+    failures = []
+    # A tolerance of 1e-9 keeps float noise from failing an exact threshold (0.6 − 0.4 = 0.19999999999999996).
+    if p_top < policy.min_probability - EPSILON:
+        failures.append(f"probability {p_top:.3f} < min_probability {policy.min_probability:g}")
+    if margin < policy.min_margin - EPSILON:
+        failures.append(f"margin {margin:.3f} < min_margin {policy.min_margin:g}")
+    if not failures:
+        return Verdict("accept", f"probability {p_top:.3f} and margin {margin:.3f} meet the policy")
+    reason = "; ".join(failures)
+    if policy.fallback == "review":
+        return Verdict("review", reason)
+    return Verdict("abstain", reason, fallback=policy.fallback)
+
+
+def most_severe(actions: Sequence[str]) -> Optional[str]:
+    return max(actions, key=lambda a: SEVERITY[a]) if actions else None
+
+
+class DecisionPostprocessor:
+    """Runs after scoring (``DecisionService.postprocessors``): applies the calibration file to each
+    distribution's ``option_logits`` (raw logits stay as they are) and the abstention policy of the
+    request, else of the calibration file. Sets ``calibration`` and ``action``/``action_reason``/
+    ``action_fallback`` on each distribution for the contract to render and the log line to count."""
+
+    def __init__(self, calibration=None, default_policy: Optional[Policy] = None):
+        self.calibration = calibration
+        self.default_policy = default_policy
+
+    def configure(self, calibration) -> None:
+        self.calibration = calibration
+        if calibration is not None and calibration.policy is not None:
+            self.default_policy = Policy.from_mapping(calibration.policy)
+
+    def __call__(self, job, result) -> None:
+        n = len(result.distributions)
+        decision_ids = list(getattr(job, "decision_ids", None) or []) + [None] * n
+        option_hashes = list(getattr(job, "options_sha256", None) or []) + [None] * n
+        raw_policy = getattr(job, "policy", None)
+        policy = Policy.from_mapping(raw_policy) if raw_policy is not None else self.default_policy
+        for dist, decision_id, options_hash in zip(result.distributions, decision_ids, option_hashes):
+            dist.calibration = None
+            if self.calibration is not None:
+                calibrated = self.calibration.calibrate(
+                    dist.option_logits, scoring=dist.scoring, decision_id=decision_id, options_sha256=options_hash
+                )
+                if calibrated is not None:
+                    dist.probabilities, dist.calibration = calibrated
+            dist.action = dist.action_reason = dist.action_fallback = None
+            if policy is not None:
+                verdict = decide(dist.probabilities, policy)
+                dist.action, dist.action_reason, dist.action_fallback = verdict.action, verdict.reason, verdict.fallback
+
+
+def log_fields(result) -> dict:
+    """`action` (most severe of the request's results) and per-action counts, for the JSON log line."""
+    actions = [a for a in (getattr(d, "action", None) for d in result.distributions) if a is not None]
+    if not actions:
+        return {}
+    return {"action": most_severe(actions), "actions": {a: actions.count(a) for a in ACTIONS if a in actions}}

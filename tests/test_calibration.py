@@ -1,0 +1,240 @@
+"""Calibration: metrics against hand-computed values, temperature fitting on synthetic logits with a
+known temperature, cross-validation, the calibration file, and the adapter applying it (or refusing it)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from semif.calibration import (
+    Calibration,
+    CalibrationError,
+    Case,
+    accuracy_coverage,
+    apply_contextual,
+    brier,
+    build_file,
+    contextual_log_prior,
+    cross_validate,
+    ece,
+    fit_temperature,
+    fit_temperatures,
+    kfold_indices,
+    nll,
+    reliability_bins,
+    softmax,
+)
+
+# ---- metrics, by hand -----------------------------------------------------------------------------
+
+
+def test_nll_is_the_mean_negative_log_of_the_right_answers_probability():
+    probabilities = [[0.5, 0.5], [0.25, 0.75], [0.9, 0.1]]
+    answers = [0, 1, 1]
+    assert nll(probabilities, answers) == pytest.approx((math.log(2) + math.log(4 / 3) + math.log(10)) / 3)
+
+
+def test_brier_sums_squared_errors_over_options_and_averages_over_cases():
+    # case 1: (0.5-1)² + 0.5² = 0.5;  case 2: 0.2² + (0.7-1)² + 0.1² = 0.14
+    assert brier([[0.5, 0.5], [0.2, 0.7, 0.1]], [0, 1]) == pytest.approx((0.5 + 0.14) / 2)
+
+
+def test_ece_weights_each_bins_gap_by_its_share_of_cases():
+    # 15 bins of width 1/15. Confidences 0.95 and 0.97 share bin 14 (accuracy 1/2, confidence 0.96);
+    # 0.55 is alone in bin 8 (accuracy 1); 0.41 alone in bin 6 (accuracy 0).
+    confidences = [0.95, 0.97, 0.55, 0.41]
+    correct = [True, False, True, False]
+    expected = 2 / 4 * abs(0.5 - 0.96) + 1 / 4 * abs(1 - 0.55) + 1 / 4 * abs(0 - 0.41)
+    assert ece(confidences, correct) == pytest.approx(expected)
+    bins = reliability_bins(confidences, correct)
+    assert len(bins) == 15
+    assert [b["count"] for b in bins if b["count"]] == [1, 1, 2]
+    assert bins[14]["confidence"] == pytest.approx(0.96)
+
+
+def test_bins_are_right_closed_and_confidence_one_lands_in_the_last_bin():
+    bins = reliability_bins([1.0, 1 / 15 + 1e-9, 0.5], [True, True, True])
+    assert bins[14]["count"] == 1 and bins[1]["count"] == 1 and bins[7]["count"] == 1
+
+
+def test_a_perfectly_calibrated_bin_has_zero_ece():
+    assert ece([0.6] * 5, [True, True, True, False, False]) == pytest.approx(0.0)
+
+
+def test_accuracy_coverage_lists_each_threshold_once_with_ties_together():
+    curve = accuracy_coverage([0.9, 0.8, 0.8, 0.3], [True, False, True, False])
+    assert curve == [
+        {"threshold": 0.9, "coverage": 0.25, "accuracy": 1.0, "accepted": 1},
+        {"threshold": 0.8, "coverage": 0.75, "accuracy": 2 / 3, "accepted": 3},
+        {"threshold": 0.3, "coverage": 1.0, "accuracy": 0.5, "accepted": 4},
+    ]
+
+
+# ---- temperature fitting --------------------------------------------------------------------------
+
+
+def synthetic(n: int, temperature: float, n_options: int = 4, seed: int = 1) -> tuple[list[list[float]], list[int]]:
+    """Logits z whose true distribution is softmax(z / temperature); answers sampled from it."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 3.0, size=(n, n_options))
+    answers = [int(rng.choice(n_options, p=softmax(z, temperature))) for z in logits]
+    return logits.tolist(), answers
+
+
+@pytest.mark.parametrize("true_temperature", [0.5, 1.0, 2.5])
+def test_fit_recovers_a_known_temperature(true_temperature):
+    logits, answers = synthetic(4000, true_temperature)
+    fitted = fit_temperature(logits, answers)
+    assert fitted == pytest.approx(true_temperature, rel=0.1)
+
+
+def test_the_fitted_temperature_minimises_the_nll():
+    logits, answers = synthetic(500, 1.7, seed=3)
+    fitted = fit_temperature(logits, answers)
+
+    def loss(t):
+        return nll([softmax(z, t) for z in logits], answers)
+
+    assert loss(fitted) <= loss(fitted * 1.05) and loss(fitted) <= loss(fitted / 1.05)
+
+
+def test_separable_data_is_clamped_instead_of_diverging():
+    assert fit_temperature([[5.0, 0.0], [0.0, 5.0]], [0, 1]) == pytest.approx(0.01)
+    assert fit_temperature([[5.0, 0.0], [0.0, 5.0]], [1, 0]) == pytest.approx(1000.0)
+
+
+def test_per_decision_temperatures_need_enough_cases_and_fall_back_to_global():
+    hot, hot_answers = synthetic(300, 3.0, seed=5)
+    cold, cold_answers = synthetic(4, 0.5, seed=6)
+    cases = [Case("hot", y, z) for z, y in zip(hot, hot_answers)] + [Case("cold", y, z) for z, y in zip(cold, cold_answers)]
+    fitted = fit_temperatures(cases, min_per_decision=5)
+    assert set(fitted["per_decision"]) == {"hot"}
+    assert fitted["per_decision"]["hot"]["temperature"] == pytest.approx(3.0, rel=0.25)
+    assert fitted["global"]["n"] == 304
+
+
+def test_kfold_covers_every_case_exactly_once():
+    folds = kfold_indices(29, 5, seed=0)
+    assert len(folds) == 5
+    assert sorted(i for fold in folds for i in fold) == list(range(29))
+
+
+def test_cross_validation_fits_on_other_folds_and_improves_overconfident_logits():
+    logits, answers = synthetic(600, 3.0, seed=8)  # the raw logits are 3x overconfident
+    cases = [Case("d", y, z) for z, y in zip(logits, answers)]
+    report = cross_validate(cases, k=5, seed=0)
+    raw, scaled = report["methods"]["raw"], report["methods"]["temperature"]
+    assert scaled["nll"] < raw["nll"]
+    assert scaled["ece"] < raw["ece"]
+    assert raw["accuracy"] == scaled["accuracy"]  # a temperature never changes the argmax
+    assert np.allclose(report["probabilities"]["raw"][0], softmax(logits[0]))
+
+
+def test_contextual_calibration_divides_by_the_content_free_prior():
+    prior = contextual_log_prior([[2.0, 0.0], [2.0, 0.0]])
+    p = softmax(apply_contextual([2.0, 0.0], prior))
+    assert p == pytest.approx([0.5, 0.5])  # the content-free input itself becomes uniform
+
+
+# ---- the calibration file and the adapter -----------------------------------------------------------
+
+
+def calibration_payload(model_sha256: str, *, temperature: float = 2.0, per_decision=None, policy=None) -> dict:
+    scorings = {"label": {"global": {"temperature": temperature, "n": 10}, "per_decision": per_decision or {}}}
+    return build_file(model_sha256=model_sha256, model_file="m.gguf", template_version="t", scorings=scorings, fit={}, policy=policy)
+
+
+def test_the_version_is_derived_from_the_fitted_content():
+    a = calibration_payload("a" * 64)
+    assert a["version"] == calibration_payload("a" * 64)["version"]
+    assert a["version"] != calibration_payload("a" * 64, temperature=2.5)["version"]
+
+
+def test_a_file_for_another_model_is_refused_with_both_hashes_in_the_message(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(calibration_payload("a" * 64)))
+    with pytest.raises(CalibrationError) as caught:
+        Calibration.load(path, model_sha256="b" * 64)
+    assert "aaaaaaaaaaaa" in str(caught.value) and "bbbbbbbbbbbb" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: p.pop("format"), "not a SemIf calibration file"),
+        (lambda p: p.update(format_version=99), "format_version"),
+        (lambda p: p["scorings"]["label"]["global"].update(temperature=0), "invalid temperature"),
+        (lambda p: p.update(policy={"min_probability": 3}), "policy.min_probability"),
+    ],
+)
+def test_malformed_files_are_refused(tmp_path, mutate, message):
+    payload = calibration_payload("a" * 64)
+    mutate(payload)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(payload))
+    with pytest.raises(CalibrationError, match=message):
+        Calibration.load(path)
+
+
+def test_per_decision_temperature_wins_over_global_and_scoring_without_fit_is_untouched():
+    cal = Calibration.from_dict(calibration_payload("a" * 64, temperature=2.0, per_decision={"route": {"temperature": 0.5, "n": 6}}))
+    probs, record = cal.calibrate([1.0, 0.0], scoring="label", decision_id="route", options_sha256=None)
+    assert probs == pytest.approx(softmax([2.0, 0.0]).tolist())
+    assert record == {"version": cal.version, "method": "temperature", "temperature": 0.5, "temperature_source": "decision"}
+    _, record = cal.calibrate([1.0, 0.0], scoring="label", decision_id="other", options_sha256=None)
+    assert (record["temperature"], record["temperature_source"]) == (2.0, "global")
+    assert cal.calibrate([1.0, 0.0], scoring="sequence", decision_id="route", options_sha256=None) is None
+
+
+SINGLE = {"decision": {"id": "route", "state": "My laptop screen cracked.", "question": "Which team?",
+                       "options": [{"id": "hardware"}, {"id": "network"}, {"id": "hr"}]}}
+
+
+def test_the_adapter_applies_the_temperature_keeps_raw_logits_and_reports_the_calibration(engine, model_path):
+    from starlette.testclient import TestClient
+
+    from semif.app import create_app
+    from conftest import make_settings
+
+    cal = Calibration.from_dict(calibration_payload(engine.sha256, temperature=3.0, per_decision={"route": {"temperature": 0.5, "n": 6}},
+                                                    policy={"min_probability": 0.99, "fallback": "escalate"}))
+    app = create_app(make_settings(model_path), engine)
+    app.state.service.decision_postprocessor.configure(cal)
+    with TestClient(app) as http:
+        body = http.post("/invocations", json=SINGLE).json()
+        other = http.post("/invocations", json={"decision": {**SINGLE["decision"], "id": "unknown"}}).json()
+        overridden = http.post("/invocations", json={**SINGLE, "policy": {"min_probability": 0.0}}).json()
+    assert body["probabilities"] == pytest.approx(softmax(body["option_logits"], 0.5).tolist(), abs=1e-12)
+    assert body["calibration"] == {"version": cal.version, "method": "temperature", "temperature": 0.5, "temperature_source": "decision"}
+    assert other["probabilities"] == pytest.approx(softmax(other["option_logits"], 3.0).tolist(), abs=1e-12)
+    assert body["probabilities"] != pytest.approx(softmax(body["option_logits"]).tolist(), abs=1e-6)  # logits stay raw
+    top = max(body["probabilities"])
+    assert body["margin"] == pytest.approx(top - sorted(body["probabilities"])[-2])
+    # the file's default policy applies unless the request brings its own
+    assert body["action"] == ("accept" if top >= 0.99 else "abstain")
+    assert overridden["action"] == "accept"
+
+
+def test_serve_refuses_a_calibration_file_for_another_model_at_startup(start_serve, tmp_path):
+    path = tmp_path / "other-model.json"
+    path.write_text(json.dumps(calibration_payload("c" * 64)))
+    proc = start_serve(wait=False, SEMIF_CALIBRATION_PATH=str(path))
+    assert proc.proc.wait(timeout=60) == 5
+    log = proc.log_text()
+    assert "invalid SEMIF_CALIBRATION_PATH" in log and "cccccccccccc" in log and "fitted for model sha256" in log
+
+
+def test_serve_loads_a_matching_calibration_file_and_reports_it(start_serve, tmp_path, engine):
+    import httpx
+
+    path = tmp_path / "cal.json"
+    payload = calibration_payload(engine.sha256, temperature=4.0)
+    path.write_text(json.dumps(payload))
+    proc = start_serve(SEMIF_CALIBRATION_PATH=str(path))
+    body = httpx.post(proc.base_url + "/invocations", json=SINGLE, timeout=60).json()
+    assert body["calibration"]["version"] == payload["version"] and body["calibration"]["temperature"] == 4.0
+    assert body["probabilities"] == pytest.approx(softmax(body["option_logits"], 4.0).tolist(), abs=1e-12)
+    assert any(line.get("message") == "calibration loaded" for line in proc.log_lines())

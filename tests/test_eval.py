@@ -1,0 +1,180 @@
+"""semif-eval and semif-calibrate: scoring of hand-made outcomes, chat answer parsing, and short
+end-to-end runs on the real model."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from conftest import SAMPLE_DECISIONS, load_sample_decisions
+from semif.calibration import Calibration, softmax
+from semif.client import SemIfClient
+from semif.evaluate import (
+    CaseOutcome,
+    ChatUnavailable,
+    EvalConfig,
+    InProcessTarget,
+    RemoteTarget,
+    parse_chat_answer,
+    policy_report,
+    recommend_thresholds,
+    run_eval,
+    score_decisions,
+    write_plots,
+)
+from semif.policy import Policy
+from semif.sagemaker_transport import RetryingTransport
+
+IDS = ["hardware", "network", "software_licence", "hr"]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("network", "network"),
+        ("  Network.\n", "network"),
+        ("`software_licence`", "software_licence"),
+        ("**hr**", "hr"),
+        ("Answer: hardware", "hardware"),
+        ("The best option is network.", "network"),
+        ("network or hardware", None),  # two ids: ambiguous
+        ("B", None),
+        ("", None),
+        (None, None),
+        ("software", None),  # a prefix of an id is not the id
+    ],
+)
+def test_chat_answers_parse_to_one_option_id_or_invalid(text, expected):
+    assert parse_chat_answer(text, IDS) == expected
+
+
+def rows_and_outcomes():
+    rows = [
+        {"id": "1", "category": "a", "answer": "x", "options": [{"id": "x"}, {"id": "y"}]},
+        {"id": "2", "category": "a", "answer": "y", "options": [{"id": "x"}, {"id": "y"}]},
+        {"id": "3", "category": "b", "answer": "x", "options": [{"id": "x"}, {"id": "y"}]},
+        {"id": "4", "category": "b", "answer": "y", "options": [{"id": "x"}, {"id": "y"}]},
+    ]
+    outcomes = [
+        CaseOutcome(latency_ms=10, option_logits=None, probabilities=[0.9, 0.1], tokens=100),
+        CaseOutcome(latency_ms=20, option_logits=None, probabilities=[0.6, 0.4], tokens=120),  # wrong: y → x
+        CaseOutcome(latency_ms=30, option_logits=None, probabilities=[0.2, 0.8], tokens=80),  # wrong: x → y
+        CaseOutcome(latency_ms=40, error="503 overloaded"),
+    ]
+    return rows, outcomes
+
+
+def test_decision_scoring_matches_hand_computed_values():
+    rows, outcomes = rows_and_outcomes()
+    report = score_decisions(rows, outcomes, folds=2, seed=0, min_per_decision=5, priors=None, policy=None, targets=(0.9,))
+    assert (report["cases"], report["valid"], report["invalid"]) == (4, 3, 1)
+    assert report["errors"] == {"503 overloaded": 1}
+    assert report["accuracy"] == 0.25  # invalid answers count as wrong
+    assert report["per_category"]["a"]["accuracy"] == 0.5 and report["per_category"]["b"]["accuracy"] == 0.0
+    assert {(c["answer"], c["predicted"]) for c in report["top_confusions"]} == {("y", "x"), ("x", "y")}
+    assert report["latency"] == {"p50_ms": 20.0, "p95_ms": pytest.approx(29.0), "max_ms": 30, "n": 3}
+    assert report["tokens_per_request"]["mean"] == 100.0
+    probs = report["probabilities"]
+    assert probs["accuracy"] == pytest.approx(1 / 3)
+    assert probs["nll"] == pytest.approx((-np.log(0.9) - np.log(0.4) - np.log(0.2)) / 3)
+    assert probs["brier"] == pytest.approx((0.02 + 0.72 + 1.28) / 3)
+    # confidences 0.9 (right), 0.6 (wrong), 0.8 (wrong): only 0.9 reaches 90 % accuracy, at coverage 1/3
+    assert report["recommended_thresholds"] == [
+        {"target_accuracy": 0.9, "reachable": True, "min_probability": 0.9, "coverage": 1 / 3, "accuracy": 1.0, "accepted": 1}]
+    assert "calibration_cv" not in report  # no logits, nothing to refit
+
+
+def test_unreachable_target_accuracy_is_reported_as_such():
+    assert recommend_thresholds([0.9, 0.8], [False, False], (0.5,)) == [{"target_accuracy": 0.5, "reachable": False}]
+
+
+def test_policy_report_counts_actions_coverage_and_accuracy_of_accepted():
+    report = policy_report([[0.9, 0.1], [0.6, 0.4], [0.2, 0.8]], [0, 1, 0], Policy(min_probability=0.7, fallback="escalate"))
+    assert report["actions"] == {"accept": 2, "abstain": 1}
+    assert report["coverage"] == pytest.approx(2 / 3)
+    assert report["accuracy_accepted"] == 0.5
+
+
+def test_chat_on_a_server_without_the_route_is_reported_unavailable():
+    def handler(request):
+        if request.url.path == "/v1/chat/completions":
+            return httpx.Response(404, json={"error": {"code": "not_found", "message": "POST /v1/chat/completions", "field": None}})
+        return httpx.Response(500)
+
+    client = SemIfClient("http://adapter", transport=RetryingTransport(httpx.MockTransport(handler)))
+    row = load_sample_decisions()[0]
+    with pytest.raises(ChatUnavailable):
+        RemoteTarget(client, "url", "http://adapter").chat(row)
+
+
+# ---- end to end on the real model ---------------------------------------------------------------------
+
+
+def test_a_short_eval_run_on_the_real_model_reports_what_the_engine_computes(engine, tmp_path):
+    from semif.prompt import Outcome, Question
+
+    rows = load_sample_decisions()[:2]
+    target = InProcessTarget(engine)
+    config = EvalConfig(scorings=("label",), compare_chat=True, contextual=False, folds=2, policy=Policy(min_probability=0.5),
+                        chat_max_tokens=4)
+    report = run_eval(target, rows, config, data_path=str(SAMPLE_DECISIONS))
+    run = report["runs"]["label"]
+    assert run["cases"] == 2 and run["valid"] == 2
+    for row, case in zip(rows, run["cases_detail"]):
+        assert case["probabilities"] == pytest.approx(softmax(case["option_logits"]).tolist(), abs=1e-9)
+        assert case["predicted"] == row["options"][int(np.argmax(case["probabilities"]))]["id"]
+    correct = sum(c["predicted"] == c["answer"] for c in run["cases_detail"])
+    assert run["accuracy"] == correct / 2
+    assert set(run["calibration_cv"]["methods"]) == {"raw", "temperature"}
+    assert run["calibration_cv"]["methods"]["raw"]["nll"] == pytest.approx(run["probabilities"]["nll"])
+    assert sum(run["policy"]["actions"].values()) == 2
+    chat = report["chat"]
+    assert chat["cases"] == 2 and 0 <= chat["valid"] <= 2
+    for case in chat["cases_detail"]:
+        assert case["choice"] == parse_chat_answer(case["text"], IDS)
+    record = report["reproducibility"]
+    assert record["model_sha256"] == engine.sha256 and record["template_version"] == engine.info["template_version"]
+    assert len(record["option_set_sha256"]) == 1  # the routing cases share one option set
+    assert record["host"]["cpus"] >= 1 and record["data_sha256"]
+    # after chat generation used the context, a full evaluation still gives what the eval reported
+    first = rows[0]
+    question = Question(first["question"], tuple(Outcome(o["id"], o.get("description")) for o in first["options"]))
+    engine.invalidate()
+    again = engine.score(first["state"], [question]).distributions[0].option_logits
+    assert again == pytest.approx(run["cases_detail"][0]["option_logits"], abs=1e-4)
+    plots = write_plots(report, tmp_path)
+    assert len(plots) == 3
+    for path in plots:
+        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_path):
+    from semif.calibrate import main as calibrate_main
+    from semif.evaluate import main as eval_main
+
+    out = tmp_path / "eval"
+    assert eval_main([str(SAMPLE_DECISIONS), "--model", str(model_path), "--limit", "2", "--no-contextual", "--folds", "2",
+                      "--out", str(out), "--no-progress", "--n-threads", "2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["runs"]["label"]["cases"] == 2
+    assert sorted(p.name for p in out.glob("*.png")) == ["accuracy-coverage.png", "latency.png", "reliability.png"]
+
+    cal_path = tmp_path / "calibration.json"
+    assert calibrate_main([str(SAMPLE_DECISIONS), "--model", str(model_path), "--limit", "2", "--folds", "2",
+                           "--min-per-decision", "2", "--contextual", "on", "--out", str(cal_path), "--n-threads", "2"]) == 0
+    calibration = Calibration.load(cal_path, model_sha256=engine.sha256)
+    assert set(calibration.scorings) == {"label"}
+    fitted = calibration.scorings["label"]
+    assert fitted["global"]["n"] == 2 and set(fitted["per_decision"]) == {"route"}
+    # contextual calibration measured on the real model's content-free answers, stored for its option set
+    rows = load_sample_decisions()
+    from semif.prompt import options_sha256
+
+    assert fitted["contextual"]["route"]["options_sha256"] == options_sha256([(o["id"], o.get("description")) for o in rows[0]["options"]])
+    prior = np.exp(fitted["contextual"]["route"]["log_prior"])
+    assert len(prior) == 4 and prior.sum() == pytest.approx(1.0)
+    assert set(fitted["contextual_temperatures"]) == {"global", "per_decision"}
+    assert calibration.raw["fit"]["cross_validation"]["label"]["k"] == 2
