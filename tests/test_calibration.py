@@ -197,7 +197,7 @@ def test_the_adapter_applies_the_temperature_keeps_raw_logits_and_reports_the_ca
     from starlette.testclient import TestClient
 
     from semif.app import create_app
-    from conftest import make_settings
+    from serving import make_settings
 
     cal = Calibration.from_dict(calibration_payload(engine.sha256, temperature=3.0, per_decision={"route": {"temperature": 0.5, "n": 6}},
                                                     policy={"min_probability": 0.99, "fallback": "escalate"}))

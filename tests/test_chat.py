@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import ServeProcess, free_port
+from serving import ServeProcess, free_port
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful support agent. Answer briefly."},

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import SAMPLE_DECISIONS, load_sample_decisions
+from serving import SAMPLE_DECISIONS, load_sample_decisions
 from semif.calibration import Calibration, softmax
 from semif.client import SemIfClient
 from semif.evaluate import (

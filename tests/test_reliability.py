@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import SERVE
+from serving import SERVE
 
 pytestmark = pytest.mark.reliability
 

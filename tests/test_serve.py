@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import SERVE
+from serving import SERVE
 
 STATE = "A customer writes: my card was charged twice for order 5521 and I want the duplicate refunded."
 QUESTION = {

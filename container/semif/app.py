@@ -3,6 +3,7 @@ Knows nothing of llama.cpp; talks to the engine through contracts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -12,17 +13,23 @@ from typing import Any, Callable, Optional
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
+from . import chat
 from .admission import Admission, Overloaded
+from .auth import BearerAuth
 from .config import Settings
 from .contracts import semif as semif_contract
+from .contracts import openai_decisions, systemone
 from .contracts.base import Job, Limits, RequestError, RunContext, state_sha256
 from .engine import EngineError, LabelError, PromptTooLong
+from .policy import DecisionPostprocessor, log_fields as policy_log_fields
 
 log = logging.getLogger("semif.http")
 
 SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
+BODY_TIMEOUT_S = 30.0
 
 
 def _reject_constant(name: str):
@@ -63,8 +70,30 @@ class DecisionService:
         self.engine = engine
         self.admission = Admission(max_queue=settings.max_queue, queue_timeout_s=settings.queue_timeout_s)
         self.limits = Limits(max_options=settings.max_options, max_questions=settings.max_questions)
-        self.contracts = contracts if contracts is not None else [semif_contract]
+        self.contracts = contracts if contracts is not None else [semif_contract, systemone, openai_decisions]
         self.postprocessors: list[Callable[[Job, Any], None]] = []
+        # Calibration (SEMIF_CALIBRATION_PATH, configured by __main__) and abstention policy.
+        self.decision_postprocessor = DecisionPostprocessor()
+        self.postprocessors.append(self.decision_postprocessor)
+        # A body that has not fully arrived by then gets 408 (slow-loris clients hold no slot forever).
+        self.body_timeout_s = BODY_TIMEOUT_S
+
+    async def read_body(self, request: Request) -> Any:
+        """The parsed JSON body, read once per request: /invocations peeks at it to pick chat or decisions
+        before the handler runs, and the handler gets the same body (or the same error) again."""
+        if "semif.body" not in request.scope:
+            try:
+                body = await asyncio.wait_for(read_json(request, self.settings.max_body_bytes), self.body_timeout_s)
+                request.scope["semif.body"] = (body, None)
+            except asyncio.TimeoutError:
+                error = RequestError(408, "body_timeout", f"the body did not arrive within {self.body_timeout_s:g} s", "<body>")
+                request.scope["semif.body"] = (None, error)
+            except (RequestError, ClientDisconnect) as error:
+                request.scope["semif.body"] = (None, error)
+        body, error = request.scope["semif.body"]
+        if error is not None:
+            raise error
+        return body
 
     def contract_for(self, body: Any, override: Optional[str]):
         if override:
@@ -86,7 +115,7 @@ class DecisionService:
         headers = {"x-request-id": request_id}
         active = contract or semif_contract
         try:
-            body = await read_json(request, self.settings.max_body_bytes)
+            body = await self.read_body(request)
             if contract is None:
                 override = _custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
                 contract = self.contract_for(body, override)
@@ -99,6 +128,7 @@ class DecisionService:
                     )
                 active = contract
             job = contract.parse(body, self.limits)
+            _check_model_name(contract, body, self.settings)
             fields["state_sha256"] = state_sha256(job.state_text)
             fields["options_sha256"] = job.options_sha256
             engine = self.engine
@@ -124,10 +154,11 @@ class DecisionService:
                 questions=len(job.questions), scoring=result.distributions[0].scoring if result.distributions else None,
                 margin=_min_margin(result),
             )
+            fields.update(policy_log_fields(result))
             return JSONResponse(payload, status_code=200, headers=headers)
         except RequestError as error:
             fields.update(status=error.status, error_code=error.code, error_field=error.field)
-            return JSONResponse(active.error_body(error), status_code=error.status, headers=headers)
+            return JSONResponse(active.error_body(error), status_code=_error_status(active, error), headers=headers)
         except PromptTooLong as error:
             req_error = RequestError(413, error.code, str(error), error.field or "state", {"tokens": error.tokens, "n_ctx": error.n_ctx})
             fields.update(status=413, error_code=error.code, tokens=error.tokens)
@@ -135,7 +166,7 @@ class DecisionService:
         except LabelError as error:
             req_error = RequestError(422, error.code, str(error), error.field or "options")
             fields.update(status=422, error_code=error.code)
-            return JSONResponse(active.error_body(req_error), status_code=422, headers=headers)
+            return JSONResponse(active.error_body(req_error), status_code=_error_status(active, req_error), headers=headers)
         except Overloaded as error:
             headers["retry-after"] = str(self.settings.retry_after_s)
             req_error = RequestError(503, "overloaded", str(error), None)
@@ -166,6 +197,44 @@ class DecisionService:
             log.info("request", extra=fields)
 
 
+def _check_model_name(contract, body: Any, settings: Settings) -> None:
+    """Contracts with a `model` field (System One, OpenAI) declare MODEL_ALIASES, their SDKs' default names;
+    those and the served model's own name are answered, any other name is a 404."""
+    aliases = getattr(contract, "MODEL_ALIASES", None)
+    requested = body.get("model", aliases[0]) if aliases and isinstance(body, dict) else None
+    if requested is None:
+        return
+    served = settings.served_model_name
+    if requested not in (*aliases, served, settings.model_path.name):
+        raise RequestError(404, "model_not_found", f"model {requested!r} is not served here; use {served!r} "
+                           f"or {' or '.join(repr(a) for a in aliases)}", "model")
+
+
+def _error_status(contract, error: RequestError) -> int:
+    """A contract may map a status onto its API's convention (System One: bad JSON is 422; OpenAI: 400)."""
+    hook = getattr(contract, "error_status", None)
+    return hook(error) if hook else error.status
+
+
+def models_listing(settings: Settings, engine) -> dict:
+    """`GET /v1/models` in both the OpenAI (`data`) and the System One (`models`) shapes."""
+    import datetime
+
+    name = settings.served_model_name
+    path = getattr(engine, "model_path", None)
+    created = int(path.stat().st_mtime) if path is not None and path.exists() else 0
+    released = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d")
+    description = (f"{engine.info['file']} (sha256 {engine.info['sha256'][:12]}…) served by the SemIf adapter; "
+                   "answers System One (model alias jev-latest) and OpenAI Decisions requests")
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": created, "owned_by": "semif",
+                  "output_modalities": ["decisions"]}],
+        "models": [{"name": name, "description": description, "release_date": released,
+                    "output_modalities": ["decisions"]}],
+    }
+
+
 def _min_margin(result) -> Optional[float]:
     margins = []
     for dist in result.distributions:
@@ -194,15 +263,37 @@ def create_app(settings: Settings, engine, *, extra_routes: Optional[list] = Non
         return JSONResponse({"status": "ok", "model": service.engine.info["file"], "sha256": service.engine.info["sha256"]})
 
     async def invocations(request: Request) -> Response:
+        try:
+            body = await service.read_body(request)
+        except Exception:  # the handler reads the same error back and answers it
+            body = None
+        if chat.matches(body):
+            return await chat.handle(service, request, body)
         return await service.handle(request)
+
+    async def chat_route(request: Request) -> Response:
+        return await chat.handle(service, request)
 
     async def semif_route(request: Request) -> Response:
         return await service.handle(request, semif_contract)
+
+    async def systemone_route(request: Request) -> Response:
+        return await service.handle(request, systemone)
+
+    async def decisions_route(request: Request) -> Response:
+        return await service.handle(request, openai_decisions)
+
+    async def models_route(request: Request) -> Response:
+        return JSONResponse(models_listing(settings, service.engine))
 
     routes = [
         Route("/ping", ping, methods=["GET"]),
         Route("/invocations", invocations, methods=["POST"]),
         Route("/v1/semif", semif_route, methods=["POST"]),
+        Route("/v1/systemone", systemone_route, methods=["POST"]),
+        Route("/v1/decisions", decisions_route, methods=["POST"]),
+        Route("/v1/models", models_route, methods=["GET"]),
+        Route("/v1/chat/completions", chat_route, methods=["POST"]),
     ]
     routes += extra_routes or []
 
@@ -211,6 +302,8 @@ def create_app(settings: Settings, engine, *, extra_routes: Optional[list] = Non
         code = "method_not_allowed" if status == 405 else "not_found"
         return JSONResponse({"error": {"code": code, "message": f"{request.method} {request.url.path}", "field": None}}, status_code=status)
 
-    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    # SEMIF_API_KEY: /v1/* needs `Authorization: Bearer <key>`; unset, the header is ignored.
+    middleware = [Middleware(BearerAuth, api_key=settings.api_key)] if settings.api_key else []
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found}, middleware=middleware)
     app.state.service = service
     return app

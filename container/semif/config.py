@@ -90,6 +90,7 @@ class Settings:
     prefix_cache: bool = True
     max_queue: int = 8
     queue_timeout_s: float = 30.0
+    read_timeout_s: float = 30.0
     retry_after_s: int = 1
     max_options: int = 255
     max_questions: int = 400
@@ -132,6 +133,7 @@ class Settings:
             prefix_cache=_bool(env, "SEMIF_PREFIX_CACHE", True),
             max_queue=_int(env, "SEMIF_MAX_QUEUE", 8, minimum=0),
             queue_timeout_s=_float(env, "SEMIF_QUEUE_TIMEOUT_S", 30.0, minimum=0.001),
+            read_timeout_s=_float(env, "SEMIF_READ_TIMEOUT_S", 30.0, minimum=0.1),
             retry_after_s=_int(env, "SEMIF_RETRY_AFTER_S", 1, minimum=0),
             max_options=max_options,
             max_questions=_int(env, "SEMIF_MAX_QUESTIONS", 400, minimum=1),

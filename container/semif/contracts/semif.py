@@ -51,6 +51,14 @@ class DecisionQuestion(_Strict):
         return options
 
 
+class AbstentionPolicy(_Strict):
+    """`{"min_probability", "min_margin", "fallback"}`: see semif/policy.py."""
+
+    min_probability: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    min_margin: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    fallback: Optional[str] = Field(default=None, min_length=1, max_length=256)
+
+
 class SingleDecision(DecisionQuestion):
     state: str = Field(min_length=1, max_length=_MAX_TEXT)
 
@@ -59,6 +67,7 @@ class SingleRequest(_Strict):
     decision: SingleDecision
     scoring: Optional[Literal["label", "sequence"]] = None
     return_prompt: bool = False
+    policy: Optional[AbstentionPolicy] = None
 
 
 class BatchRequest(_Strict):
@@ -66,6 +75,7 @@ class BatchRequest(_Strict):
     decisions: list[DecisionQuestion] = Field(min_length=1)
     scoring: Optional[Literal["label", "sequence"]] = None
     return_prompt: bool = False
+    policy: Optional[AbstentionPolicy] = None
 
     @model_validator(mode="after")
     def _unique_decision_ids(self) -> "BatchRequest":
@@ -164,6 +174,14 @@ def parse(body: Any, limits: Limits) -> Job:
                     "model": _model_record(run, dist.scoring),
                 }
             )
+            # Set by the HTTP layer's postprocessor (semif/policy.py) when a calibration or policy applies.
+            if getattr(dist, "calibration", None) is not None:
+                results[-1]["calibration"] = dist.calibration
+            if getattr(dist, "action", None) is not None:
+                results[-1]["action"] = dist.action
+                results[-1]["action_reason"] = dist.action_reason
+                if dist.action_fallback is not None:
+                    results[-1]["fallback"] = dist.action_fallback
         if single:
             return {"request_id": run.request_id, **results[0]}
         return {
@@ -178,7 +196,7 @@ def parse(body: Any, limits: Limits) -> Job:
             "timing": {"queue_ms": round(run.queue_ms, 3), "compute_ms": round(run.compute_ms, 3), "total_ms": round(run.total_ms, 3)},
         }
 
-    return Job(
+    job = Job(
         state_text=state,
         questions=[_question(d) for d in decisions],
         render=render,
@@ -187,6 +205,9 @@ def parse(body: Any, limits: Limits) -> Job:
         options_sha256=hashes,
         decision_ids=[d.id for d in decisions],
     )
+    if request.policy is not None:
+        job.policy = request.policy.model_dump(exclude_none=True)  # read by semif/policy.py's postprocessor
+    return job
 
 
 def _model_record(run: RunContext, scoring: str) -> dict:

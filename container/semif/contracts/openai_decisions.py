@@ -1,0 +1,259 @@
+"""OpenAI's Decisions API: `POST /v1/decisions` (openai-python's `client.decisions.create`).
+
+    {"model", "input": str | [items], "questions": [{"type": "predicate"|"choice"|"score", "name"?, …}],
+     "prompt_cache_key"?}
+        →  {"answers": [… in question order], "model", "usage"}
+
+Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with 400 for invalid requests.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from ..engine import Distribution, ScoreResult
+from ..prompt import Outcome, Question, options_sha256
+from .base import Job, Limits, RequestError, RunContext
+
+NAME = "openai_decisions"
+# Answered besides the served model's name (app.py checks): the one model the SDK documents.
+MODEL_ALIASES = ("gpt-6-luna",)
+MAX_SCORE_LEVELS = 10
+_MESSAGE_ROLES = ("user", "developer", "system", "assistant")
+
+
+def matches(body: Any) -> bool:
+    """`questions` with `input` (or a `questions` array): OpenAI Decisions. Bodies with `state` are System One's."""
+    if not isinstance(body, dict) or "questions" not in body or "state" in body:
+        return False
+    return "input" in body or isinstance(body["questions"], list)
+
+
+def _bad(field: str, message: str, code: str = "invalid_request") -> RequestError:
+    return RequestError(400, code, f"{field}: {message}" if field else message, field or None)
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def _require(value: Any, kind: type | tuple, field: str, what: str) -> Any:
+    if not isinstance(value, kind):
+        raise _bad(field, f"must be {what}, not {_type_name(value)}")
+    return value
+
+
+def _text_parts(parts: Any, field: str, allowed: tuple[str, ...]) -> str:
+    """A string, or an ordered list of parts rendered as text; images are refused (text-only model)."""
+    if isinstance(parts, str):
+        return parts
+    _require(parts, list, field, "a string or an array of content parts")
+    if not parts:
+        raise _bad(field, "must not be empty")
+    texts = []
+    for i, part in enumerate(parts):
+        where = f"{field}[{i}]"
+        _require(part, dict, where, "a content part object")
+        kind = part.get("type")
+        if kind not in allowed:
+            if kind == "input_image":
+                raise _bad(f"{where}.type", "images are not supported: this server runs a text model", "unsupported_content")
+            raise _bad(f"{where}.type", f"must be one of {', '.join(allowed)} (got {json.dumps(kind)})")
+        if kind in ("input_text", "output_text"):
+            texts.append(_require(part.get("text"), str, f"{where}.text", "a string"))
+        elif kind == "refusal":
+            texts.append("[refusal] " + _require(part.get("refusal"), str, f"{where}.refusal", "a string"))
+        else:  # input_json
+            data = part.get("data")
+            if not isinstance(data, dict) and not (isinstance(data, list) and all(isinstance(d, dict) for d in data)):
+                raise _bad(f"{where}.data", "must be an object or an array of objects")
+            texts.append(json.dumps(data, ensure_ascii=False, indent=2))
+    return "\n".join(texts)
+
+
+def render_input(value: Any) -> str:
+    """The input as the state text: a string as is; items as a transcript, one block per item."""
+    if isinstance(value, str):
+        return value
+    _require(value, list, "input", "a string or an array of input items")
+    if not value:
+        raise _bad("input", "must not be empty")
+    blocks, calls = [], set()
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        _require(item, dict, where, "an input item object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise _bad(f"{where}.role", f"must be one of {', '.join(_MESSAGE_ROLES)} (got {json.dumps(role)})")
+            allowed = ("output_text", "refusal") if role == "assistant" else (
+                ("input_text", "input_json") if role == "user" else ("input_text",))
+            blocks.append(f"{role}: {_text_parts(item.get('content'), f'{where}.content', allowed)}")
+        elif kind in ("function_call", "custom_tool_call"):
+            call_id = _require(item.get("call_id"), str, f"{where}.call_id", "a string")
+            name = _require(item.get("name"), str, f"{where}.name", "a string")
+            key = "arguments" if kind == "function_call" else "input"
+            payload = _require(item.get(key), str, f"{where}.{key}", "a string")
+            calls.add((kind, call_id))
+            blocks.append(f"{kind} {name} (call_id {call_id}): {payload}")
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            call_id = _require(item.get("call_id"), str, f"{where}.call_id", "a string")
+            if (kind.removesuffix("_output"), call_id) not in calls:
+                raise _bad(f"{where}.call_id", f"no earlier {kind.removesuffix('_output')} has call_id {call_id!r}")
+            output = _text_parts(item.get("output"), f"{where}.output", ("input_text",))
+            blocks.append(f"{kind} (call_id {call_id}): {output}")
+        else:
+            raise _bad(f"{where}.type", f"unknown input item type {json.dumps(kind)}")
+    return "\n\n".join(blocks)
+
+
+def _instructions(q: dict, field: str) -> str:
+    if "instructions" not in q:
+        raise _bad(f"{field}.instructions", "is required")
+    text = _text_parts(q["instructions"], f"{field}.instructions", ("input_text", "input_json"))
+    if not text.strip():
+        raise _bad(f"{field}.instructions", "must not be blank")
+    return text
+
+
+def _optional_str(q: dict, key: str, field: str) -> Optional[str]:
+    value = q.get(key)
+    return None if value is None else _require(value, str, f"{field}.{key}", "a string")
+
+
+def _question(q: Any, field: str, limits: Limits) -> tuple[Question, dict]:
+    """(engine question, what render needs: type, name, choice values or level labels)."""
+    _require(q, dict, field, "a question object")
+    kind = q.get("type")
+    name = _optional_str(q, "name", field)
+    text = _instructions(q, field) if kind in ("predicate", "choice", "score") else None
+    if kind == "predicate":
+        return Question(text, (Outcome("true"), Outcome("false")), kind="binary"), {"type": kind, "name": name}
+    if kind == "choice":
+        choices = _require(q.get("choices"), list, f"{field}.choices", "an array of choices")
+        if not 2 <= len(choices) <= limits.max_options:
+            code = "too_many_options" if len(choices) > limits.max_options else "invalid_request"
+            raise _bad(f"{field}.choices", f"provide 2 to {limits.max_options} choices (got {len(choices)})", code)
+        values, outcomes, seen = [], [], set()
+        for i, choice in enumerate(choices):
+            where = f"{field}.choices[{i}]"
+            _require(choice, dict, where, "a choice object")
+            value = choice.get("value")
+            if not isinstance(value, (str, bool)):
+                raise _bad(f"{where}.value", f"must be a string or a boolean, not {_type_name(value)}")
+            typed = (type(value), value)  # a string and a boolean with the same text are distinct
+            if typed in seen:
+                raise _bad(f"{where}.value", f"duplicate choice {json.dumps(value)}")
+            seen.add(typed)
+            values.append(value)
+            outcomes.append(Outcome(json.dumps(value) if isinstance(value, bool) else value,
+                                    _optional_str(choice, "description", where)))
+        return Question(text, tuple(outcomes), kind="choice"), {"type": kind, "name": name, "values": values}
+    if kind == "score":
+        levels = _require(q.get("levels"), list, f"{field}.levels", "an array of levels")
+        if not 2 <= len(levels) <= MAX_SCORE_LEVELS:
+            raise _bad(f"{field}.levels", f"provide 2 to {MAX_SCORE_LEVELS} levels (got {len(levels)})")
+        labels, outcomes = [], []
+        for i, level in enumerate(levels):
+            where = f"{field}.levels[{i}]"
+            _require(level, dict, where, "a level object")
+            label = _require(level.get("label"), str, f"{where}.label", "a string")
+            labels.append(label)
+            outcomes.append(Outcome(label, _optional_str(level, "description", where)))
+        return Question(text, tuple(outcomes), kind="scale"), {"type": kind, "name": name, "labels": labels}
+    raise _bad(f"{field}.type", f"must be predicate, choice or score (got {json.dumps(kind)})")
+
+
+def confidence_of_choice(probabilities: list[float]) -> float:
+    n = len(probabilities)
+    return min(1.0, max(0.0, (max(probabilities) - 1 / n) / (1 - 1 / n)))
+
+
+def confidence_of_score(probabilities: list[float]) -> float:
+    n = len(probabilities)
+    mode = max(range(n), key=lambda i: probabilities[i])
+    spread = sum(p * abs(i - mode) for i, p in enumerate(probabilities))
+    uniform = sum(abs(i - (n - 1) / 2) for i in range(n)) / n
+    return min(1.0, max(0.0, 1 - spread / uniform))
+
+
+def parse(body: Any, limits: Limits) -> Job:
+    if not isinstance(body, dict):
+        raise _bad("", "the body must be a JSON object")
+    for key in ("model", "input", "questions"):
+        if key not in body:
+            raise _bad(key, "is required", "missing_required_parameter")
+    _require(body["model"], str, "model", "a string")
+    for key in ("prompt_cache_key", "safety_identifier"):
+        if body.get(key) is not None:
+            _require(body[key], str, key, "a string")
+    if body.get("prompt_cache_options") is not None:
+        _require(body["prompt_cache_options"], dict, "prompt_cache_options", "an object")
+    state_text = render_input(body["input"])
+    raw_questions = _require(body["questions"], list, "questions", "an array of questions")
+    if not 1 <= len(raw_questions) <= limits.max_questions:
+        code = "too_many_questions" if raw_questions else "invalid_request"
+        raise _bad("questions", f"ask 1 to {limits.max_questions} questions (got {len(raw_questions)})", code)
+    parsed = [_question(q, f"questions[{i}]", limits) for i, q in enumerate(raw_questions)]
+    questions = [p[0] for p in parsed]
+    hashes = [options_sha256([(o.key, o.description) for o in q.outcomes]) for q in questions]
+
+    def render(result: ScoreResult, run: RunContext) -> dict:
+        cached = result.cached_tokens
+        return {
+            "answers": [_answer(spec, dist) for (_, spec), dist in zip(parsed, result.distributions)],
+            "model": run.served_model_name,
+            "usage": {
+                "input_tokens": result.input_tokens,
+                # cached: state-prefix tokens really reused from an earlier request's context;
+                # written: state-prefix tokens evaluated now and kept for the next request to reuse.
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": result.state_tokens - cached},
+                "output_tokens": 0,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": result.input_tokens,
+            },
+        }
+
+    # No decision_ids: a calibration keyed by question name would make answers depend on the names.
+    return Job(state_text=state_text, questions=questions, render=render, options_sha256=hashes)
+
+
+def _answer(spec: dict, dist: Distribution) -> dict:
+    probabilities = dist.probabilities
+    kind, name = spec["type"], spec["name"]
+    if kind == "predicate":
+        return {"type": "predicate", "name": name, "probability": probabilities[0]}
+    top = max(range(len(probabilities)), key=lambda i: probabilities[i])
+    if kind == "choice":
+        return {
+            "type": "choice",
+            "name": name,
+            "choice": spec["values"][top],
+            "confidence": confidence_of_choice(probabilities),
+            "probabilities": [{"value": v, "probability": p} for v, p in zip(spec["values"], probabilities)],
+        }
+    return {
+        "type": "score",
+        "name": name,
+        "score": sum(i * p for i, p in enumerate(probabilities)),
+        "confidence": confidence_of_score(probabilities),
+        "probabilities": [{"label": label, "value": i, "probability": p}
+                          for i, (label, p) in enumerate(zip(spec["labels"], probabilities))],
+    }
+
+
+def error_status(error: RequestError) -> int:
+    """OpenAI answers every invalid request with 400; 413 and 5xx keep their meaning."""
+    return 400 if error.status == 422 else error.status
+
+
+def error_body(error: RequestError) -> dict:
+    if error.status in (400, 422):
+        kind = "invalid_request_error"
+    else:
+        kind = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
+                503: "server_overloaded"}.get(error.status, "server_error")
+    return {"error": {"message": error.message, "type": kind, "param": error.field, "code": error.code}}

@@ -1,0 +1,274 @@
+"""TypeSafe's System One API (the API behind Jev): `POST /v1/systemone`.
+
+    {"model", "state", "questions": {<id>: {"type": "noul"|"choice"|"score", "instructions", "criteria"}}}
+        →  {"model", "answers": {<id>: …}, "usage": {"input_tokens", "output_tokens"}, "x_semif": {…}}
+
+Errors follow the API's FastAPI conventions: validation failures are 422 `{"detail": [{"loc": ["body", …],
+"msg", "type"}]}`, anything else `{"detail": {"error_type", "message"}}`. The rules are pinned by jevcompat's
+spec (see docs/compatibility.md).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from ..engine import Distribution, ScoreResult
+from ..prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
+from .base import Job, Limits, RequestError, RunContext
+
+NAME = "systemone"
+MODEL_ALIAS = "jev-latest"  # the official SDKs' default model name
+MODEL_ALIASES = (MODEL_ALIAS,)  # answered besides the served model's name (app.py checks)
+MAX_SCORE_LEVELS = 10
+
+def _content(value: Any) -> Any:
+    if isinstance(value, (str, dict, list)):
+        return value
+    raise ValueError("must be a string, an object or an array")
+
+
+def _optional_content(value: Any) -> Any:
+    return None if value is None else _content(value)
+
+
+# Text, an object or an array: the API's "content" type (assets are not supported by a text model).
+# Plain validators, not a Union, so that error locations name fields, not union branches.
+Content = Annotated[Any, AfterValidator(_content)]
+OptionalContent = Annotated[Any, AfterValidator(_optional_content)]
+
+
+class _Lenient(BaseModel):
+    # Unknown fields are ignored, as the API does; known fields are type-checked strictly.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class NoulCriteria(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    true: OptionalContent = None
+    false: OptionalContent = None
+
+
+class NoulQuestion(_Lenient):
+    type: Literal["noul"]
+    instructions: OptionalContent = None
+    criteria: Optional[NoulCriteria] = None
+
+
+class ChoiceQuestion(_Lenient):
+    type: Literal["choice"]
+    instructions: OptionalContent = None
+    criteria: dict[str, OptionalContent]
+
+
+class ScoreQuestion(_Lenient):
+    type: Literal["score"]
+    instructions: OptionalContent = None
+    criteria: list[Content]
+
+
+AnyQuestion = Annotated[Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], Field(discriminator="type")]
+
+
+class SystemOneRequest(_Lenient):
+    model: str = MODEL_ALIAS
+    state: Content
+    questions: dict[str, AnyQuestion] = Field(min_length=1)
+    assets: Optional[dict[str, Any]] = None
+
+
+def matches(body: Any) -> bool:
+    """`questions` with `state` (or a `questions` object): System One. Bodies with `input` are OpenAI's."""
+    if not isinstance(body, dict) or "questions" not in body or "input" in body:
+        return False
+    return "state" in body or isinstance(body["questions"], dict)
+
+
+def as_text(value: Content) -> str:
+    """Strings stay as they are; objects and arrays become JSON text, keys in the order sent."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, indent=2)
+
+
+def _invalid(loc: list, msg: str, kind: str, code: str = "invalid_request") -> RequestError:
+    field = ".".join(str(p) for p in loc)
+    return RequestError(422, code, f"{field}: {msg}", field, details=[{"loc": ["body", *loc], "msg": msg, "type": kind}])
+
+
+def _from_validation_error(exc: ValidationError) -> RequestError:
+    details = []
+    for err in exc.errors(include_url=False):
+        loc = list(err["loc"])
+        if len(loc) > 2 and loc[0] == "questions" and loc[2] in ("noul", "choice", "score"):
+            del loc[2]  # the discriminated union's branch name, not a field
+        msg = err["msg"].removeprefix("Value error, ")
+        details.append({"loc": ["body", *loc], "msg": msg, "type": err["type"]})
+    first = details[0]
+    field = ".".join(str(p) for p in first["loc"][1:]) or "<body>"
+    return RequestError(422, "invalid_request", f"{field}: {first['msg']}", field, details=details)
+
+
+def _noul_question(q: NoulQuestion, loc: list) -> Question:
+    criteria = q.criteria or NoulCriteria()
+    yes = None if criteria.true is None else as_text(criteria.true)
+    no = None if criteria.false is None else as_text(criteria.false)
+    if q.instructions is None and yes is None and no is None:
+        raise _invalid(loc, "a noul needs instructions or a described outcome (criteria.true or criteria.false)", "value_error")
+    lines = [as_text(q.instructions) if q.instructions is not None else "Which description fits the state?"]
+    if yes is not None:
+        lines.append(f"Yes means: {yes}")
+    if no is not None:
+        lines.append(f"No means: {no}")
+    return Question("\n".join(lines), (Outcome("true", yes), Outcome("false", no)), kind="binary")
+
+
+def _choice_question(q: ChoiceQuestion, loc: list, limits: Limits) -> Question:
+    n = len(q.criteria)
+    if n < 2 or n > limits.max_options:
+        raise _invalid([*loc, "criteria"], f"a choice needs 2 to {limits.max_options} options (got {n})",
+                       "too_short" if n < 2 else "too_long", "too_many_options" if n > limits.max_options else "invalid_request")
+    if "" in q.criteria:
+        raise _invalid([*loc, "criteria"], "option names must not be empty", "value_error")
+    text = as_text(q.instructions) if q.instructions is not None else "Which option fits the state best?"
+    outcomes = tuple(Outcome(name, None if d is None else as_text(d)) for name, d in q.criteria.items())
+    return Question(text, outcomes, kind="choice")
+
+
+def _score_question(q: ScoreQuestion, loc: list) -> Question:
+    n = len(q.criteria)
+    if n < 2 or n > MAX_SCORE_LEVELS:
+        raise _invalid([*loc, "criteria"], f"a score needs 2 to {MAX_SCORE_LEVELS} levels (got {n})",
+                       "too_short" if n < 2 else "too_long")
+    text = as_text(q.instructions) if q.instructions is not None else "Which level fits the state best?"
+    return Question(text, tuple(Outcome(as_text(level)) for level in q.criteria), kind="scale")
+
+
+def choice_confidence(probabilities: list[float]) -> float:
+    """The reference formula: the top probability rescaled so that uniform is 0 and certain is 1."""
+    n = len(probabilities)
+    return _unit((max(probabilities) - 1 / n) / (1 - 1 / n)) if n > 1 else 1.0
+
+
+def score_confidence(probabilities: list[float]) -> float:
+    """The reference formula: 1 − (expected distance from the most probable level) / (that of uniform)."""
+    n = len(probabilities)
+    if n <= 1:
+        return 1.0
+    mode = max(range(n), key=lambda i: probabilities[i])
+    spread = sum(p * abs(i - mode) for i, p in enumerate(probabilities))
+    uniform = sum(abs(i - (n - 1) / 2) for i in range(n)) / n
+    return _unit(1 - spread / uniform)
+
+
+def _unit(x: float) -> float:
+    return min(1.0, max(0.0, float(x)))
+
+
+def parse(body: Any, limits: Limits) -> Job:
+    if not isinstance(body, dict):
+        raise _invalid([], "the body must be a JSON object", "model_attributes_type")
+    try:
+        request = SystemOneRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _from_validation_error(exc) from None
+    if request.assets:
+        raise _invalid(["assets"], "assets (images) are not supported: this server runs a text model", "value_error")
+    if len(request.questions) > limits.max_questions:
+        raise _invalid(["questions"], f"{len(request.questions)} questions; at most {limits.max_questions}",
+                       "too_long", "too_many_questions")
+    ids = list(request.questions)
+    if "" in ids:
+        raise _invalid(["questions"], "question ids must not be empty", "value_error")
+    questions: list[Question] = []
+    for qid, q in request.questions.items():
+        loc = ["questions", qid]
+        if isinstance(q, NoulQuestion):
+            questions.append(_noul_question(q, loc))
+        elif isinstance(q, ChoiceQuestion):
+            questions.append(_choice_question(q, loc, limits))
+        else:
+            questions.append(_score_question(q, loc))
+    hashes = [options_sha256([(o.key, o.description) for o in question.outcomes]) for question in questions]
+    state_text = as_text(request.state)
+
+    def render(result: ScoreResult, run: RunContext) -> dict:
+        answers = {}
+        for qid, q, dist, opt_hash in zip(ids, request.questions.values(), result.distributions, hashes):
+            answers[qid] = _answer(q, dist, opt_hash)
+        info = run.model
+        return {
+            "model": run.served_model_name,
+            "answers": answers,
+            "usage": {"input_tokens": result.input_tokens, "output_tokens": 0},
+            "x_semif": {
+                "request_id": run.request_id,
+                "model_sha256": info["sha256"],
+                "model_file": info["file"],
+                "llama_cpp_build": info["llama_cpp_build"],
+                "hardware": info["hardware"],
+                "n_gpu_layers": info["n_gpu_layers"],
+                "template_version": TEMPLATE_VERSION,
+                "template_sha256": info.get("template_sha256"),
+                "image_digest": run.image_digest,
+                "scoring": result.distributions[0].scoring if result.distributions else None,
+                "state_tokens": result.state_tokens,
+                "cached_tokens": result.cached_tokens,
+                "evaluated_tokens": result.evaluated_tokens,
+                "timing": {"queue_ms": round(run.queue_ms, 3), "compute_ms": round(run.compute_ms, 3),
+                           "total_ms": round(run.total_ms, 3)},
+            },
+        }
+
+    return Job(
+        state_text=state_text,
+        questions=questions,
+        render=render,
+        # No decision_ids: a calibration keyed by question id would make answers depend on the ids.
+        options_sha256=hashes,
+    )
+
+
+def _answer(q: Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], dist: Distribution, opt_hash: str) -> dict:
+    probabilities = dist.probabilities
+    extras = {"x_option_logits": dist.option_logits, "x_options_sha256": opt_hash}
+    if isinstance(q, NoulQuestion):
+        return {"type": "noul", "noul": probabilities[0], **extras}
+    if isinstance(q, ChoiceQuestion):
+        names = list(q.criteria)
+        top = max(range(len(names)), key=lambda i: probabilities[i])
+        return {
+            "type": "choice",
+            "choice": names[top],
+            "probabilities": dict(zip(names, probabilities)),
+            "confidence": choice_confidence(probabilities),
+            **extras,
+        }
+    return {
+        "type": "score",
+        "score": sum(i * p for i, p in enumerate(probabilities)),
+        "legend": {str(i): level for i, level in enumerate(q.criteria)},
+        "probabilities": {str(i): p for i, p in enumerate(probabilities)},
+        "confidence": score_confidence(probabilities),
+        **extras,
+    }
+
+
+def error_status(error: RequestError) -> int:
+    """Malformed JSON is a validation failure (422) in this API, as in FastAPI."""
+    return 422 if error.code == "invalid_json" else error.status
+
+
+def error_body(error: RequestError) -> dict:
+    if error.status == 422 or error.code == "invalid_json":
+        if isinstance(error.details, list) and error.details:
+            return {"detail": error.details}
+        loc = ["body"] + ([] if error.field in (None, "<body>") else error.field.split("."))
+        return {"detail": [{"loc": loc, "msg": error.message, "type": error.code}]}
+    error_type = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                  413: "request_too_large", 503: "overloaded_error"}.get(error.status)
+    if error_type is None:
+        error_type = "invalid_request_error" if error.status < 500 else "api_error"
+    return {"detail": {"error_type": error_type, "message": error.message, "code": error.code, "field": error.field}}

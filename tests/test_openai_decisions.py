@@ -1,0 +1,193 @@
+"""OpenAI Decisions (`POST /v1/decisions`) on the real model: wire contract, mapping onto the engine, usage
+and cache accounting, errors, `/invocations` dispatch, and the official openai SDK."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+INPUT = ("I was charged twice for my March invoice (order #4471) and the refund I was promised last week "
+         "still hasn't arrived. Please fix this today or I will dispute the charge.")
+PREDICATE = {"type": "predicate", "name": "refund", "instructions": "The customer asks for money back."}
+CHOICE = {"type": "choice", "name": "team", "instructions": "Which team should handle this ticket?",
+          "choices": [{"value": "billing", "description": "Payments, invoices, refunds"}, {"value": "technical"}, {"value": "sales"}]}
+SCORE = {"type": "score", "name": "anger", "instructions": "How frustrated is the customer?",
+         "levels": [{"label": "calm"}, {"label": "frustrated"}, {"label": "very angry", "description": "threatens action"}]}
+
+
+def decide(client, questions, input=INPUT, path="/v1/decisions", model="gpt-6-luna", **extra):
+    return client.post(path, json={"model": model, "input": input, "questions": questions, **extra})
+
+
+def answers_of(response):
+    assert response.status_code == 200, response.text
+    return response.json()["answers"]
+
+
+def test_predicate_is_the_engines_probability_of_yes(client, engine):
+    from semif.contracts import openai_decisions
+    from semif.contracts.base import Limits
+
+    body = decide(client, [PREDICATE]).json()
+    assert set(body) == {"answers", "model", "usage"}
+    answer = body["answers"][0]
+    assert answer == {"type": "predicate", "name": "refund", "probability": answer["probability"]}
+    job = openai_decisions.parse({"model": "m", "input": INPUT, "questions": [PREDICATE]}, Limits(255, 400))
+    engine.invalidate()  # a cold run: the reference the cached runs must equal
+    expected = engine.score(job.state_text, job.questions).distributions[0].probabilities[0]
+    assert math.isclose(answer["probability"], expected, abs_tol=1e-4)
+
+
+def test_choice_answer_lists_typed_values_in_order_with_confidence(client):
+    question = {"type": "choice", "instructions": "Is the claim valid?",
+                "choices": [{"value": "true"}, {"value": True}, {"value": False}, {"value": "unsure"}]}
+    answer = answers_of(decide(client, [question]))[0]
+    assert answer["name"] is None
+    values = [p["value"] for p in answer["probabilities"]]
+    assert values == ["true", True, False, "unsure"] and type(values[0]) is str and type(values[1]) is bool
+    probs = [p["probability"] for p in answer["probabilities"]]
+    assert math.isclose(sum(probs), 1.0, abs_tol=1e-9)
+    assert answer["choice"] == values[int(np.argmax(probs))] and type(answer["choice"]) is type(values[int(np.argmax(probs))])
+    assert math.isclose(answer["confidence"], (max(probs) - 1 / 4) / (1 - 1 / 4), abs_tol=1e-9)
+
+
+def test_score_answer_is_the_expectation_over_level_values(client):
+    answer = answers_of(decide(client, [SCORE]))[0]
+    assert [(p["label"], p["value"]) for p in answer["probabilities"]] == [("calm", 0), ("frustrated", 1), ("very angry", 2)]
+    probs = [p["probability"] for p in answer["probabilities"]]
+    assert math.isclose(sum(probs), 1.0, abs_tol=1e-9)
+    assert math.isclose(answer["score"], sum(i * p for i, p in enumerate(probs)), abs_tol=1e-9)
+    assert 0.0 <= answer["confidence"] <= 1.0
+
+
+def test_answers_come_in_question_order_and_do_not_depend_on_the_others(client):
+    mixed = answers_of(decide(client, [PREDICATE, CHOICE, SCORE]))
+    reversed_ = answers_of(decide(client, [SCORE, CHOICE, PREDICATE]))
+    assert [a["type"] for a in mixed] == ["predicate", "choice", "score"]
+    assert [a["name"] for a in reversed_] == ["anger", "team", "refund"]
+    alone = [answers_of(decide(client, [q]))[0] for q in (PREDICATE, CHOICE, SCORE)]
+    for a, b, c in zip(mixed, reversed(reversed_), alone):
+        if a["type"] == "predicate":
+            assert math.isclose(a["probability"], b["probability"], abs_tol=1e-4)
+            assert math.isclose(a["probability"], c["probability"], abs_tol=1e-4)
+        else:
+            pa = [p["probability"] for p in a["probabilities"]]
+            np.testing.assert_allclose(pa, [p["probability"] for p in b["probabilities"]], atol=1e-4)
+            np.testing.assert_allclose(pa, [p["probability"] for p in c["probabilities"]], atol=1e-4)
+
+
+def test_usage_counts_the_shared_prefix_once_and_reports_real_cache_reuse(client):
+    fresh_input = INPUT + " (usage test)"
+    first = decide(client, [PREDICATE, CHOICE, SCORE], input=fresh_input).json()["usage"]
+    second = decide(client, [PREDICATE, CHOICE, SCORE], input=fresh_input).json()["usage"]
+    single = decide(client, [PREDICATE], input=fresh_input).json()["usage"]
+    assert first["output_tokens"] == 0 and first["output_tokens_details"] == {"reasoning_tokens": 0}
+    assert first["total_tokens"] == first["input_tokens"]
+    state_tokens = first["input_tokens_details"]["cached_tokens"] + first["input_tokens_details"]["cache_write_tokens"]
+    assert first["input_tokens_details"]["cached_tokens"] < state_tokens  # a new input is not all cached
+    assert second["input_tokens_details"]["cached_tokens"] == state_tokens  # the repeat reuses the whole prefix
+    assert second["input_tokens_details"]["cache_write_tokens"] == 0
+    # three questions cost the state prefix once: less than three single-question requests
+    assert first["input_tokens"] < 3 * single["input_tokens"]
+
+
+def test_message_input_is_rendered_as_a_transcript(client):
+    messages = [
+        {"role": "system", "content": "Support inbox."},
+        {"role": "user", "content": [{"type": "input_text", "text": INPUT}, {"type": "input_json", "data": {"order": 4471}}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Looking into it."}]},
+        {"type": "function_call", "call_id": "c1", "name": "lookup_order", "arguments": "{\"order\": 4471}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "refund pending"},
+        {"type": "message", "role": "developer", "content": "Be strict."},
+    ]
+    answer = answers_of(decide(client, [PREDICATE], input=messages))[0]
+    assert 0.0 <= answer["probability"] <= 1.0
+
+
+def _error(response, status=400):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    return error
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": INPUT, "questions": [PREDICATE]}, "model"),
+        ({"model": "m", "questions": [PREDICATE]}, "input"),
+        ({"model": "m", "input": INPUT, "questions": []}, "questions"),
+        ({"model": "m", "input": INPUT, "questions": [{"type": "predicate"}]}, "questions[0].instructions"),
+        ({"model": "m", "input": INPUT, "questions": [{"type": "noul", "instructions": "x"}]}, "questions[0].type"),
+        ({"model": "m", "input": INPUT, "questions": [{**CHOICE, "choices": [{"value": "a"}]}]}, "questions[0].choices"),
+        ({"model": "m", "input": INPUT, "questions": [{**CHOICE, "choices": [{"value": "a"}, {"value": "a"}]}]}, "questions[0].choices[1].value"),
+        ({"model": "m", "input": INPUT, "questions": [{**CHOICE, "choices": [{"value": 1}, {"value": "a"}]}]}, "questions[0].choices[0].value"),
+        ({"model": "m", "input": INPUT, "questions": [{**SCORE, "levels": [{"label": str(i)} for i in range(11)]}]}, "questions[0].levels"),
+        ({"model": "m", "input": [{"type": "function_call_output", "call_id": "x", "output": "y"}], "questions": [PREDICATE]}, "input[0].call_id"),
+        ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}], "questions": [PREDICATE]}, "input[0].content[0].type"),
+        ({"model": "m", "input": [{"role": "robot", "content": "x"}], "questions": [PREDICATE]}, "input[0].role"),
+    ],
+)
+def test_invalid_requests_get_400_invalid_request_error_naming_the_param(client, body, param):
+    error = _error(client.post("/v1/decisions", json=body))
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_unknown_model_is_a_404_model_not_found_and_the_served_name_works(client, engine):
+    error = _error(client.post("/v1/decisions", json={"model": "gpt-4o", "input": INPUT, "questions": [PREDICATE]}), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    body = decide(client, [PREDICATE], model=engine.model_path.stem)
+    assert body.status_code == 200 and body.json()["model"] == engine.model_path.stem
+
+
+def test_too_many_questions_is_refused(client):
+    error = _error(decide(client, [PREDICATE] * 401))
+    assert error["code"] == "too_many_questions"
+
+
+def test_invocations_dispatches_openai_bodies_by_shape_and_custom_attributes_override(client):
+    body = {"model": "gpt-6-luna", "input": INPUT, "questions": [PREDICATE]}
+    via = client.post("/invocations", json=body)
+    assert via.status_code == 200, via.text
+    direct = decide(client, [PREDICATE])
+    assert math.isclose(via.json()["answers"][0]["probability"], direct.json()["answers"][0]["probability"], abs_tol=1e-4)
+    bad = client.post("/invocations", json={**body, "questions": [{"type": "predicate"}]})
+    assert _error(bad)["param"] == "questions[0].instructions"
+    forced = client.post("/invocations", json={"model": "m", "state": INPUT, "questions": {"q": {"type": "noul"}}},
+                         headers={"X-Amzn-SageMaker-Custom-Attributes": "contract=openai_decisions"})
+    assert _error(forced)["param"] == "input"
+
+
+def test_openai_sdk_decisions_create_parses_every_answer_type_from_the_live_adapter(start_serve):
+    import openai
+    from openai.types.decision import AnswerAnswerResourceChoice, AnswerAnswerResourcePredicate, AnswerAnswerResourceScore
+
+    server = start_serve()
+    sdk = openai.OpenAI(api_key="unused", base_url=server.base_url + "/v1", max_retries=0, timeout=60)
+    singles = [sdk.decisions.create(model="gpt-6-luna", input=INPUT, questions=[q]) for q in (PREDICATE, CHOICE, SCORE)]
+    mixed = sdk.decisions.create(
+        model="gpt-6-luna",
+        input=[{"role": "user", "content": INPUT}],
+        questions=[PREDICATE, CHOICE, SCORE, {"type": "choice", "instructions": "Valid?", "choices": [{"value": True}, {"value": "true"}]}],
+        prompt_cache_key="tests",
+    )
+    assert isinstance(singles[0].answers[0], AnswerAnswerResourcePredicate)
+    assert isinstance(singles[1].answers[0], AnswerAnswerResourceChoice) and singles[1].answers[0].choice in ("billing", "technical", "sales")
+    assert isinstance(singles[2].answers[0], AnswerAnswerResourceScore)
+    assert [type(a) for a in mixed.answers[:3]] == [type(s.answers[0]) for s in singles]
+    assert [p.value for p in mixed.answers[3].probabilities] == [True, "true"]
+    assert mixed.usage.input_tokens_details.cached_tokens + mixed.usage.input_tokens_details.cache_write_tokens > 0
+    assert mixed.usage.total_tokens == mixed.usage.input_tokens and mixed.usage.output_tokens == 0
+    models = sdk.models.list()
+    assert models.data[0].id == mixed.model
+    with pytest.raises(openai.BadRequestError):
+        sdk.decisions.create(model="m", input=INPUT, questions=[{"type": "score", "instructions": "x", "levels": [{"label": "a"}]}])
+    keyed = start_serve(SEMIF_API_KEY="k-123")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(api_key="wrong", base_url=keyed.base_url + "/v1", max_retries=0).decisions.create(
+            model="gpt-6-luna", input=INPUT, questions=[PREDICATE])
+    ok = openai.OpenAI(api_key="k-123", base_url=keyed.base_url + "/v1", max_retries=0, timeout=60).decisions.create(
+        model="gpt-6-luna", input=INPUT, questions=[PREDICATE])
+    assert 0.0 <= ok.answers[0].probability <= 1.0
