@@ -92,7 +92,12 @@ def test_repeat_request_reuses_the_cached_prefix(client):
     client.post("/invocations", json=SINGLE)
     body = client.post("/invocations", json=SINGLE).json()
     prompt = body["prompt"]
-    # the whole state prefix is reused; only the question segment is evaluated again
+    # an identical prompt is answered from its remembered logits: nothing is evaluated again
+    assert prompt["cached_tokens"] == prompt["tokens"]
+    assert prompt["evaluated_tokens"] == 0
+    other_question = {"decision": {**SINGLE["decision"], "question": "Which team owns this?"}}
+    prompt = client.post("/invocations", json=other_question).json()["prompt"]
+    # a new question about the same state reuses the state and evaluates only the question
     assert prompt["cached_tokens"] + prompt["evaluated_tokens"] == prompt["tokens"]
     assert 0 < prompt["evaluated_tokens"] < prompt["cached_tokens"]
 

@@ -350,7 +350,7 @@ def test_hostile_bodies_get_4xx_in_bounded_memory_and_the_server_keeps_serving(s
 
 @pytest.mark.slow  # ~45k evaluated tokens; minutes on 2 vCPUs (figures in docs/reliability.md)
 def test_rss_after_1000_decisions_stays_within_10_percent_of_rss_after_50(start_serve):
-    server = _serve(start_serve)
+    server = _serve(start_serve, SEMIF_N_THREADS=2)  # one sequential client: both cores go to the model
     url = server.base_url + "/invocations"
     # The smallest decisions the template allows (every question is evaluated from the state
     # boundary, ~30 tokens each), 10 per request, each request with its own short state.

@@ -65,6 +65,7 @@ def test_prefix_cache_on_equals_cache_off(engine):
         engine.prefix_cache = True
     engine.score("A different customer asks about an invoice.", [ROUTE])  # leaves only the system head reusable
     after_other_state = engine.score(STATE, questions)
+    engine._label_memo.clear()  # exercise the context's segment reuse, not the remembered logits
     repeat = engine.score(STATE, questions)  # the whole state prefix is reusable
     assert 0 < after_other_state.cached_tokens < after_other_state.state_tokens
     assert repeat.cached_tokens == repeat.state_tokens
@@ -72,6 +73,21 @@ def test_prefix_cache_on_equals_cache_off(engine):
         for warm, reference in zip(run.distributions, cold.distributions):
             np.testing.assert_allclose(warm.option_logits, reference.option_logits, atol=1e-5)
             np.testing.assert_allclose(warm.probabilities, reference.probabilities, atol=1e-6)
+
+
+def test_identical_prompt_is_answered_from_remembered_logits_without_evaluation(engine):
+    first = engine.score(STATE, [ROUTE]).distributions[0]
+    engine.score("Something else entirely about a parcel.", [ROUTE])  # the context moves on
+    again = engine.score(STATE, [ROUTE]).distributions[0]
+    assert again.evaluated_tokens == 0 and again.cached_tokens == again.tokens
+    assert again.option_logits == first.option_logits
+    engine.prefix_cache = False
+    try:
+        cold = engine.score(STATE, [ROUTE]).distributions[0]
+    finally:
+        engine.prefix_cache = True
+    assert cold.evaluated_tokens == cold.tokens
+    np.testing.assert_allclose(cold.probabilities, again.probabilities, atol=1e-6)
 
 
 def test_sequence_scoring_with_cache_equals_without(engine):

@@ -135,7 +135,11 @@ def main() -> int:
     # --- raw llama.cpp prefill of exactly the same tokens ------------------------------------------
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(model), n_ctx=4096, n_batch=512, n_ubatch=512, logits_all=False, verbose=False)
+    threads = os.cpu_count() or 1  # the adapter's default (SEMIF_N_THREADS); llama-cpp-python alone would use half
+    llm = llama_cpp.Llama(
+        model_path=str(model), n_ctx=4096, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+        logits_all=False, verbose=False,
+    )
     tokens = llm.tokenize(prompt_text.encode(), add_bos=True, special=True)
     raw_ms = []
     for _ in range(args.repeats + 1):

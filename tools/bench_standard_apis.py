@@ -136,7 +136,7 @@ def run_batched(server: Server, api: str, repeats: int) -> list[float]:
             elapsed, payload = server.post("/v1/systemone", body)
             assert len(payload["answers"]) == 10
         else:
-            body = {"model": "gpt-6-luna", "input": state_for(i), "questions": to_openai(SYSTEM_ONE_QUESTIONS)}
+            body = {"model": "gpt-6-luna", "input": state_for(1000 + i), "questions": to_openai(SYSTEM_ONE_QUESTIONS)}
             elapsed, payload = server.post("/v1/decisions", body)
             assert len(payload["answers"]) == 10
         if i:
@@ -154,7 +154,7 @@ def run_single(server: Server, api: str, repeats: int) -> list[float]:
                 total += server.post("/v1/systemone", {"model": "jev-latest", "state": state_for(i), "questions": {name: q}})[0]
         else:
             for q in to_openai(SYSTEM_ONE_QUESTIONS):
-                total += server.post("/v1/decisions", {"model": "gpt-6-luna", "input": state_for(i), "questions": [q]})[0]
+                total += server.post("/v1/decisions", {"model": "gpt-6-luna", "input": state_for(1000 + i), "questions": [q]})[0]
         if i:
             times.append(total)
     return times

@@ -7,6 +7,7 @@ computation at a time (the HTTP layer's admission control guarantees that).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import math
 import os
@@ -14,6 +15,7 @@ import platform
 import subprocess
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -26,6 +28,7 @@ from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION
 log = logging.getLogger("semif.engine")
 
 SEQ = 0  # the one sequence this context holds
+LABEL_MEMO_SIZE = 256  # identical prompts remembered (label logits only: a few floats each)
 
 
 class EngineError(Exception):
@@ -87,6 +90,14 @@ def _log_softmax_rows(rows: np.ndarray) -> np.ndarray:
     rows = rows.astype(np.float64)
     peak = rows.max(axis=1, keepdims=True)
     return rows - peak - np.log(np.exp(rows - peak).sum(axis=1, keepdims=True))
+
+
+def _tokens_key(prefix: Sequence[Sequence[int]], suffix: Sequence[int], label_ids: Sequence[int]) -> bytes:
+    digest = hashlib.sha256()
+    for part in (*prefix, suffix, label_ids):
+        digest.update(np.asarray(part, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    return digest.digest()
 
 
 def _cpu_name() -> str:
@@ -157,6 +168,9 @@ class Engine:
         )
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._segments: list[tuple[int, ...]] = []  # what the context holds, in evaluation segments
+        # Label logits of recently scored prompts, keyed by their exact tokens: an identical question
+        # about an identical state is answered with the logits it already produced (exact by construction).
+        self._label_memo: "OrderedDict[bytes, list[float]]" = OrderedDict()
         self._snapshot: Optional[tuple[list[tuple[int, ...]], ctypes.Array]] = None
         self.lock = threading.Lock()  # defensive: callers already serialize
 
@@ -247,6 +261,8 @@ class Engine:
         self._lc.llama_memory_clear(self._memory, True)
         self._segments = []
         self._snapshot = None
+        if not self.prefix_cache:
+            self._label_memo.clear()
 
     def _rewind(self, n_segments: int) -> None:
         """Keep the first ``n_segments`` segments in the context, drop the rest."""
@@ -381,6 +397,8 @@ class Engine:
                 if return_prompt:
                     dist.prompt_text = prefix_text + text
                 distributions.append(dist)
+            if distributions and distributions[0].evaluated_tokens == 0:
+                cached_from_before = prefix_len  # answered from remembered logits: nothing was evaluated
         return ScoreResult(
             distributions=distributions,
             state_tokens=prefix_len,
@@ -410,11 +428,21 @@ class Engine:
         label_set = self.labels.for_question(question)
         n = len(question.outcomes)
         label_ids = list(label_set.token_ids[:n])
-        self._ensure_prefix(prefix)
         total = sum(len(s) for s in prefix) + len(suffix)
-        rows, reused, evaluated = self._forward(prefix + [suffix], [total - 1])
-        row = rows[total - 1]
-        logits = [float(row[t]) for t in label_ids]
+        key = _tokens_key(prefix, suffix, label_ids)
+        logits = self._label_memo.get(key) if self.prefix_cache else None
+        if logits is not None:
+            self._label_memo.move_to_end(key)
+            reused, evaluated = total, 0
+        else:
+            self._ensure_prefix(prefix)
+            rows, reused, evaluated = self._forward(prefix + [suffix], [total - 1])
+            row = rows[total - 1]
+            logits = [float(row[t]) for t in label_ids]
+            if self.prefix_cache:
+                self._label_memo[key] = logits
+                while len(self._label_memo) > LABEL_MEMO_SIZE:
+                    self._label_memo.popitem(last=False)
         return Distribution(
             option_logits=logits,
             probabilities=softmax(logits),
