@@ -17,19 +17,17 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_server import BenchServer  # noqa: E402
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO.parent / "shared" / "data" / "decisions-sample.jsonl"
-SERVE = Path(sys.executable).with_name("serve")
 
 STATE_300 = (
     "Ticket 88213 from Dana Whitfield, account tier Enterprise, region EU-West. Dana writes: since the "
@@ -52,45 +50,6 @@ EIGHT_QUESTIONS = [
     ("product", "Which product area is affected?", ["dashboard", "mobile_app", "api", "billing_portal"]),
     ("next_step", "What should the agent do next?", ["reset_sessions", "refund", "escalate", "close"]),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: Path, **env_overrides):
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SEMIF_")}
-        env.update(SEMIF_HOST="127.0.0.1", SEMIF_PORT=str(self.port), SEMIF_MODEL_PATH=str(model), SEMIF_LOG_LEVEL="WARNING")
-        env.update({k: str(v) for k, v in env_overrides.items()})
-        self.proc = subprocess.Popen([str(SERVE)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.http = httpx.Client(base_url=self.url, timeout=120)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"serve exited: {self.proc.stderr.read().decode()}")
-            try:
-                if self.http.get("/ping").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise SystemExit("serve did not start")
-
-    def post(self, body: dict) -> tuple[float, dict]:
-        started = time.perf_counter()
-        response = self.http.post("/invocations", json=body)
-        elapsed = (time.perf_counter() - started) * 1000
-        response.raise_for_status()
-        return elapsed, response.json()
-
-    def close(self):
-        self.http.close()
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 def pct(values, q):
@@ -116,18 +75,18 @@ def main() -> int:
     samples = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
 
     # --- prefix cache off: the adapter's per-request overhead and the separate-request baseline ----
-    off = Server(model, SEMIF_PREFIX_CACHE=0)
+    off = BenchServer(model, SEMIF_PREFIX_CACHE=0)
     try:
         body = decision(*EIGHT_QUESTIONS[0])
-        off.post(body)  # warm-up
-        adapter_ms = [off.post(body)[0] for _ in range(args.repeats)]
-        _, first = off.post({**body, "return_prompt": True})
+        off.invoke_ms(body)  # warm-up
+        adapter_ms = [off.invoke_ms(body)[0] for _ in range(args.repeats)]
+        _, first = off.invoke_ms({**body, "return_prompt": True})
         prompt_text = first["prompt"]["text"]
         separate_ms = []
         for _ in range(3):
             started = time.perf_counter()
             for q in EIGHT_QUESTIONS:
-                off.post(decision(*q))
+                off.invoke_ms(decision(*q))
             separate_ms.append((time.perf_counter() - started) * 1000)
     finally:
         off.close()
@@ -153,7 +112,7 @@ def main() -> int:
     llm.close()
 
     # --- prefix cache on: batching, repeats, sample latency and accuracy --------------------------
-    on = Server(model)
+    on = BenchServer(model)
     try:
         batch = {
             "state": STATE_300,
@@ -163,17 +122,17 @@ def main() -> int:
         for i in range(3):
             # a distinct state each time so the batch itself is cold
             cold_batch = {**batch, "state": f"{STATE_300} (variant {i})"}
-            batch_ms.append(on.post(cold_batch)[0])
+            batch_ms.append(on.invoke_ms(cold_batch)[0])
         cold_ms, repeat_ms = [], []
         for i in range(5):
             body = decision(*EIGHT_QUESTIONS[0], state=f"{STATE_300} (repeat probe {i})")
-            cold_ms.append(on.post(body)[0])
-            repeat_ms.append(statistics.median(on.post(body)[0] for _ in range(3)))
+            cold_ms.append(on.invoke_ms(body)[0])
+            repeat_ms.append(statistics.median(on.invoke_ms(body)[0] for _ in range(3)))
         per_method = {}
         for scoring in ("label", "sequence"):
             latencies, correct = [], 0
             for row in samples:
-                ms, result = on.post({"decision": {k: row[k] for k in ("id", "state", "question", "options")}, "scoring": scoring})
+                ms, result = on.invoke_ms({"decision": {k: row[k] for k in ("id", "state", "question", "options")}, "scoring": scoring})
                 latencies.append(ms)
                 correct += result["choice"] == row["answer"]
             per_method[scoring] = {

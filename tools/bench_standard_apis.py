@@ -19,16 +19,13 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_server import BenchServer  # noqa: E402
 
-SERVE = Path(sys.executable).with_name("serve")
 
 STATE = (
     "Ticket {n} from Priya Raman, account tier Business, region US-East. Priya writes: for the last three "
@@ -81,53 +78,11 @@ def to_openai(questions: dict) -> list[dict]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: Path | None, **env_overrides):
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SEMIF_")}
-        env.update(SEMIF_HOST="127.0.0.1", SEMIF_PORT=str(self.port), SEMIF_LOG_LEVEL="WARNING", SEMIF_MODEL_DIR="/nonexistent")
-        if model is not None:
-            env["SEMIF_MODEL_PATH"] = str(model)
-        env.update({k: str(v) for k, v in env_overrides.items()})
-        self.proc = subprocess.Popen([str(SERVE), "serve"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=300)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"serve exited: {self.proc.stderr.read().decode()}")
-            try:
-                if self.http.get("/ping").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit("serve did not become ready")
-
-    def post(self, path: str, body: dict) -> tuple[float, dict]:
-        started = time.perf_counter()
-        response = self.http.post(path, json=body)
-        elapsed = time.perf_counter() - started
-        if response.status_code != 200:
-            raise SystemExit(f"{path} answered {response.status_code}: {response.text[:500]}")
-        return elapsed, response.json()
-
-    def close(self) -> None:
-        self.http.close()
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-
-
 def state_for(n: int) -> str:
     return STATE.format(n=10000 + n)
 
 
-def run_batched(server: Server, api: str, repeats: int) -> list[float]:
+def run_batched(server: BenchServer, api: str, repeats: int) -> list[float]:
     """One request with all ten questions, per repetition."""
     times = []
     for i in range(repeats + 1):  # +1: the first is a warm-up
@@ -144,7 +99,7 @@ def run_batched(server: Server, api: str, repeats: int) -> list[float]:
     return times
 
 
-def run_single(server: Server, api: str, repeats: int) -> list[float]:
+def run_single(server: BenchServer, api: str, repeats: int) -> list[float]:
     """Ten single-question requests, per repetition (the sum of the ten)."""
     times = []
     for i in range(repeats + 1):
@@ -181,12 +136,12 @@ def main() -> int:
     results: dict = {"state_tokens": tokens, "questions": len(SYSTEM_ONE_QUESTIONS), "repeats": args.repeats,
                      "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
     apis = [a.strip() for a in args.apis.split(",") if a.strip()]
-    server = Server(args.model, SEMIF_PREFIX_CACHE=1)
+    server = BenchServer(args.model, SEMIF_PREFIX_CACHE=1)
     try:
         batched = {api: run_batched(server, api, args.repeats) for api in apis}
     finally:
         server.close()
-    server = Server(args.model, SEMIF_PREFIX_CACHE=0)
+    server = BenchServer(args.model, SEMIF_PREFIX_CACHE=0)
     try:
         single = {api: run_single(server, api, args.repeats) for api in apis}
     finally:
