@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -221,11 +221,6 @@ class Engine:
             if value is not None:
                 return str(value() if callable(value) else value)
         return f"llama-cpp-python-{self._lc.__version__}"
-
-    def prefix_tokens(self, state_text: str) -> tuple[str, list[int]]:
-        """The state prefix's text and tokens (see ``prefix_segments``)."""
-        text, segments = self.prefix_segments(state_text)
-        return text, [t for segment in segments for t in segment]
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
         """The state prefix as evaluation segments: the template head (system text, constant across
