@@ -18,7 +18,7 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(model_path):
-    from semif.engine import Engine
+    from semif.serving.engine import Engine
 
     eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2)
     yield eng
@@ -27,7 +27,7 @@ def engine(model_path):
 
 @pytest.fixture(scope="session")
 def app(engine, model_path):
-    from semif.app import create_app
+    from semif.serving.app import create_app
 
     return create_app(make_settings(model_path), engine)
 

@@ -18,7 +18,7 @@ SERVE = Path(sys.executable).with_name("serve")
 
 
 def embedded_model():
-    from semif.config import embedded_model_path
+    from semif.serving.config import embedded_model_path
 
     path = embedded_model_path()
     if path is None:
@@ -27,7 +27,7 @@ def embedded_model():
 
 
 def make_settings(model_path, **overrides):
-    from semif.config import Settings
+    from semif.serving.config import Settings
 
     values = dict(model_path=Path(model_path), host="127.0.0.1", port=0)
     values.update(overrides)

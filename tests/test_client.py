@@ -1,4 +1,4 @@
-"""semif.client against the real adapter: decisions, errors with the adapter's JSON, and retries through
+"""semif.tools.client against the real adapter: decisions, errors with the adapter's JSON, and retries through
 overload forced by a queue of one."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from semif.client import SemIfClient, SemIfError, normalize_options
-from semif.sagemaker_transport import RetryPolicy, RetryStats
+from semif.tools.client import SemIfClient, SemIfError, normalize_options
+from semif.tools.sagemaker_transport import RetryPolicy, RetryStats
 
 OPTIONS = [{"id": "hardware", "description": "Broken laptops, screens."}, {"id": "network", "description": "Wi-Fi and VPN."},
            {"id": "hr", "description": "Payroll and holidays."}]

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from semif.manifest import MANIFEST_NAME, load_manifest
-from semif.package_model import main as package_model
+from semif.serving.manifest import MANIFEST_NAME, load_manifest
+from semif.tools.package_model import main as package_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTAINER = ROOT / "container"

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from serving import SAMPLE_DECISIONS, load_sample_decisions
-from semif.calibration import Calibration, softmax
-from semif.client import SemIfClient
-from semif.evaluate import (
+from semif.serving.calibration import Calibration, softmax
+from semif.tools.client import SemIfClient
+from semif.tools.evaluate import (
     CaseOutcome,
     ChatUnavailable,
     EvalConfig,
@@ -25,8 +25,8 @@ from semif.evaluate import (
     score_decisions,
     write_plots,
 )
-from semif.policy import Policy
-from semif.sagemaker_transport import RetryingTransport
+from semif.serving.policy import Policy
+from semif.tools.sagemaker_transport import RetryingTransport
 
 IDS = ["hardware", "network", "software_licence", "hr"]
 
@@ -114,7 +114,7 @@ def test_chat_on_a_server_without_the_route_is_reported_unavailable():
 
 
 def test_a_short_eval_run_on_the_real_model_reports_what_the_engine_computes(engine, tmp_path):
-    from semif.prompt import Outcome, Question
+    from semif.serving.prompt import Outcome, Question
 
     rows = load_sample_decisions()[:2]
     target = InProcessTarget(engine)
@@ -152,8 +152,8 @@ def test_a_short_eval_run_on_the_real_model_reports_what_the_engine_computes(eng
 
 
 def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_path):
-    from semif.calibrate import main as calibrate_main
-    from semif.evaluate import main as eval_main
+    from semif.tools.calibrate import main as calibrate_main
+    from semif.tools.evaluate import main as eval_main
 
     out = tmp_path / "eval"
     assert eval_main([str(SAMPLE_DECISIONS), "--model", str(model_path), "--limit", "2", "--no-contextual", "--folds", "2",
@@ -171,7 +171,7 @@ def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_p
     assert fitted["global"]["n"] == 2 and set(fitted["per_decision"]) == {"route"}
     # contextual calibration measured on the real model's content-free answers, stored for its option set
     rows = load_sample_decisions()
-    from semif.prompt import options_sha256
+    from semif.serving.prompt import options_sha256
 
     assert fitted["contextual"]["route"]["options_sha256"] == options_sha256([(o["id"], o.get("description")) for o in rows[0]["options"]])
     prior = np.exp(fitted["contextual"]["route"]["log_prior"])

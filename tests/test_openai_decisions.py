@@ -27,8 +27,8 @@ def answers_of(response):
 
 
 def test_predicate_is_the_engines_probability_of_yes(client, engine):
-    from semif.contracts import openai_decisions
-    from semif.contracts.base import Limits
+    from semif.serving.contracts import openai_decisions
+    from semif.serving.contracts.base import Limits
 
     body = decide(client, [PREDICATE]).json()
     assert set(body) == {"answers", "model", "usage"}

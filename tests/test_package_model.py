@@ -16,8 +16,8 @@ import pytest
 from gguf import GGUFWriter, LlamaFileType
 from moto import mock_aws
 
-from semif.manifest import MANIFEST_NAME, ManifestError, ModelManifest, load_manifest, verify_model_file
-from semif.package_model import (
+from semif.serving.manifest import MANIFEST_NAME, ManifestError, ModelManifest, load_manifest, verify_model_file
+from semif.tools.package_model import (
     EXIT_EXISTS,
     EXIT_FAILED,
     EXIT_OK,

@@ -14,8 +14,8 @@ from botocore.exceptions import EndpointConnectionError
 from botocore.response import StreamingBody
 from botocore.stub import ANY, Stubber
 
-from semif.client import SemIfClient, SemIfError
-from semif.sagemaker_transport import (
+from semif.tools.client import SemIfClient, SemIfError
+from semif.tools.sagemaker_transport import (
     ATTEMPTS_HEADER,
     RetryingTransport,
     RetryPolicy,

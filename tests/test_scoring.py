@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from semif.engine import LabelError, PromptTooLong, softmax
-from semif.prompt import Outcome, Question, render_state_block
+from semif.serving.engine import LabelError, PromptTooLong, softmax
+from semif.serving.prompt import Outcome, Question, render_state_block
 
 ROUTE = Question(
     "Which queue should handle this request?",

@@ -32,8 +32,8 @@ def answers_of(response):
 
 def recompute(engine, questions, state=TICKET):
     """The same questions through the contract's own parse and the engine directly."""
-    from semif.contracts import systemone
-    from semif.contracts.base import Limits
+    from semif.serving.contracts import systemone
+    from semif.serving.contracts.base import Limits
 
     job = systemone.parse({"state": state, "questions": questions}, Limits(255, 400))
     engine.invalidate()  # a cold run: the reference the cached runs must equal
@@ -252,7 +252,7 @@ def test_auth_off_ignores_an_authorization_header(client):
 def keyed_client(engine, model_path):
     from starlette.testclient import TestClient
 
-    from semif.app import create_app
+    from semif.serving.app import create_app
 
     with TestClient(create_app(make_settings(model_path, api_key="s3cret"), engine)) as test_client:
         yield test_client

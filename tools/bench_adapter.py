@@ -68,7 +68,7 @@ def main() -> int:
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO / "container"))
-    from semif.config import embedded_model_path
+    from semif.serving.config import embedded_model_path
 
     model = args.model or embedded_model_path()
     figures: dict = {"model": model.name, "host": platform.processor() or platform.machine(), "cpus": os.cpu_count()}

@@ -118,7 +118,7 @@ def run_single(server: BenchServer, api: str, repeats: int) -> list[float]:
 def state_token_count(model: Path | None) -> int:
     from llama_cpp import Llama
 
-    from semif.config import embedded_model_path
+    from semif.serving.config import embedded_model_path
 
     llm = Llama(model_path=str(model or embedded_model_path()), vocab_only=True, verbose=False)
     return len(llm.tokenize(state_for(0).encode(), add_bos=False))

@@ -4,7 +4,7 @@
 usage: python tools/quality_accuracy.py MODEL.gguf   (e.g. the quality reference model from ../shared/tools/quality-model)
 """
 import json, time, sys
-from semif.engine import Engine
+from semif.serving.engine import Engine
 from semif import prompt as P
 path=sys.argv[1]
 rows=[json.loads(l) for l in open('/work/shared/data/decisions-sample.jsonl')]

@@ -189,7 +189,7 @@ def test_the_build_context_follows_dockerignore_plus_dockerfile_and_buildspec(tm
     (tmp_path / "notes.md").write_text("edited, still not a build input")
     _, unchanged = build_stack(tmp_path)
     assert unchanged.image_tag == first.image_tag
-    for name, content in (("semif/app.py", "v2"), ("buildspec.yml", "v2"), ("Dockerfile", "v2")):
+    for name, content in (("semif/serving/app.py", "v2"), ("buildspec.yml", "v2"), ("Dockerfile", "v2")):
         (tmp_path / name).write_text(content)
         _, changed = build_stack(tmp_path)
         assert changed.image_tag != first.image_tag, name

@@ -6,7 +6,7 @@
         ...
     result["choice"], result["probabilities"], result.attempts
 
-For System One or OpenAI Decisions use the official SDKs with `semif.sagemaker_transport`.
+For System One or OpenAI Decisions use the official SDKs with `semif.tools.sagemaker_transport`.
 """
 
 from __future__ import annotations

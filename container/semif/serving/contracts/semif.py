@@ -52,7 +52,7 @@ class DecisionQuestion(_Strict):
 
 
 class AbstentionPolicy(_Strict):
-    """`{"min_probability", "min_margin", "fallback"}`: see semif/policy.py."""
+    """`{"min_probability", "min_margin", "fallback"}`: see semif/serving/policy.py."""
 
     min_probability: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     min_margin: Optional[float] = Field(default=None, ge=0.0, le=1.0)
@@ -174,7 +174,7 @@ def parse(body: Any, limits: Limits) -> Job:
                     "model": _model_record(run, dist.scoring),
                 }
             )
-            # Set by the HTTP layer's postprocessor (semif/policy.py) when a calibration or policy applies.
+            # Set by the HTTP layer's postprocessor (semif/serving/policy.py) when a calibration or policy applies.
             if getattr(dist, "calibration", None) is not None:
                 results[-1]["calibration"] = dist.calibration
             if getattr(dist, "action", None) is not None:
@@ -206,7 +206,7 @@ def parse(body: Any, limits: Limits) -> Job:
         decision_ids=[d.id for d in decisions],
     )
     if request.policy is not None:
-        job.policy = request.policy.model_dump(exclude_none=True)  # read by semif/policy.py's postprocessor
+        job.policy = request.policy.model_dump(exclude_none=True)  # read by semif/serving/policy.py's postprocessor
     return job
 
 

@@ -30,10 +30,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from . import __version__
-from .calibration import Case, Calibration, accuracy_coverage, cross_validate, probability_metrics, reliability_bins, softmax
-from .policy import Policy, decide
-from .prompt import SYSTEM_TEXT, TEMPLATE_VERSION, Outcome, Question, options_sha256, render_state_block
+from .. import __version__
+from ..serving.calibration import Case, Calibration, accuracy_coverage, cross_validate, probability_metrics, reliability_bins, softmax
+from ..serving.policy import Policy, decide
+from ..serving.prompt import SYSTEM_TEXT, TEMPLATE_VERSION, Outcome, Question, options_sha256, render_state_block
 
 CONTENT_FREE_STATES = ("N/A", "[MASK]", "None")
 DEFAULT_TARGETS = (0.8, 0.9, 0.95)
@@ -135,7 +135,7 @@ def parse_chat_answer(text: Optional[str], option_ids: Sequence[str]) -> Optiona
 
 
 class InProcessTarget:
-    """`--model PATH`: semif.engine.Engine directly, with an optional calibration file applied locally."""
+    """`--model PATH`: semif.serving.engine.Engine directly, with an optional calibration file applied locally."""
 
     kind = "model"
 
@@ -145,7 +145,7 @@ class InProcessTarget:
 
     @classmethod
     def load(cls, model_path: str, *, n_threads: Optional[int] = None, n_ctx: int = 4096, calibration_path: Optional[str] = None):
-        from .engine import Engine
+        from ..serving.engine import Engine
 
         engine = Engine(model_path, n_ctx=n_ctx, n_threads=n_threads or os.cpu_count() or 1)
         calibration = Calibration.load(calibration_path, model_sha256=engine.sha256) if calibration_path else None
@@ -160,7 +160,7 @@ class InProcessTarget:
                 "calibration_version": self.calibration.version if self.calibration else None}
 
     def decide(self, row: dict, scoring: str, *, state: Optional[str] = None) -> CaseOutcome:
-        from .engine import EngineError
+        from ..serving.engine import EngineError
 
         question = Question(row["question"], tuple(Outcome(k, d) for k, d in option_pairs(row)), kind="choice")
         started = time.perf_counter()
@@ -200,7 +200,7 @@ class InProcessTarget:
 
 
 class RemoteTarget:
-    """`--url` (HTTP) or `--endpoint` (SageMaker): the SemIf schema through semif.client, with retries."""
+    """`--url` (HTTP) or `--endpoint` (SageMaker): the SemIf schema through semif.tools.client, with retries."""
 
     def __init__(self, client, kind: str, address: str):
         self.client = client
@@ -389,7 +389,7 @@ def prior_key(row: dict) -> str:
 def content_free_priors(target, rows: list[dict], scoring: str) -> dict:
     """Contextual calibration (Zhao et al. 2021): each distinct (question, option set)'s mean
     distribution over content-free states, as log-probabilities."""
-    from .calibration import contextual_log_prior
+    from ..serving.calibration import contextual_log_prior
 
     priors = {}
     for row in rows:
@@ -666,7 +666,7 @@ def make_target(args) -> Any:
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("data", help="labeled JSONL (id, category, state, question, options, answer)")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--model", help="GGUF file: score in-process with semif.engine")
+    where.add_argument("--model", help="GGUF file: score in-process with semif.serving.engine")
     where.add_argument("--url", help="a running adapter, e.g. http://127.0.0.1:8080")
     where.add_argument("--endpoint", help="a SageMaker endpoint name (boto3 credentials)")
     parser.add_argument("--region", help="AWS region of --endpoint")

@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
-from .calibration import Case, build_file, cross_validate, fit_temperatures
+from ..serving.calibration import Case, build_file, cross_validate, fit_temperatures
 from .evaluate import (
     _fmt,
     add_target_arguments,
@@ -30,8 +30,8 @@ from .evaluate import (
     parse_scorings,
     prior_key,
 )
-from .policy import Policy
-from .prompt import TEMPLATE_VERSION, options_sha256
+from ..serving.policy import Policy
+from ..serving.prompt import TEMPLATE_VERSION, options_sha256
 
 
 def fit_scoring(target, rows: list[dict], scoring: str, *, folds: int, seed: int, min_per_decision: int, contextual: str,

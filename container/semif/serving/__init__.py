@@ -1,0 +1,1 @@
+"""What runs in the SageMaker image: HTTP, admission control, contracts, prompt and engine."""

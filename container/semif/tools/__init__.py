@@ -1,0 +1,1 @@
+"""Operator tools that run outside the image: model packaging, client, evaluation, calibration, batch jobs."""
