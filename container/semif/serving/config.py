@@ -100,6 +100,7 @@ class Settings:
     calibration_path: Optional[Path] = None
     image_digest: Optional[str] = None
     log_level: str = "INFO"
+    require_gpu: bool = False
 
     @property
     def served_model_name(self) -> str:
@@ -118,6 +119,9 @@ class Settings:
         calibration = env.get("SEMIF_CALIBRATION_PATH", "").strip()
         if calibration and not Path(calibration).is_file():
             raise SettingsError(f"SEMIF_CALIBRATION_PATH={calibration!r} is not a file")
+        require_gpu = _bool(env, "SEMIF_REQUIRE_GPU", False)
+        if require_gpu and _int(env, "SEMIF_N_GPU_LAYERS", -1, minimum=-1) == 0:
+            raise SettingsError("SEMIF_REQUIRE_GPU=1 with SEMIF_N_GPU_LAYERS=0 would never use the GPU")
         max_options = _int(env, "SEMIF_MAX_OPTIONS", 255, minimum=2)
         if max_options > 255:
             raise SettingsError(f"SEMIF_MAX_OPTIONS={max_options} must be <= 255")
@@ -143,6 +147,7 @@ class Settings:
             calibration_path=Path(calibration) if calibration else None,
             image_digest=env.get("SEMIF_IMAGE_DIGEST") or None,
             log_level=log_level,
+            require_gpu=require_gpu,
         )
 
 

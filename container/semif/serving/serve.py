@@ -15,6 +15,10 @@ from .manifest import ManifestError, sha256_file, verify_model_file
 log = logging.getLogger("semif.serve")
 
 
+class GpuUnavailable(RuntimeError):
+    """SEMIF_REQUIRE_GPU is set but llama.cpp came up without a GPU backend (or offloaded nothing)."""
+
+
 def build_app(settings: Settings):
     """Verify the model against its manifest, load it, and return the ASGI app. Raises on bad setup."""
     from .app import create_app
@@ -38,6 +42,14 @@ def build_app(settings: Settings):
         default_scoring=settings.scoring,
         model_sha256=digest,
     )
+    if settings.require_gpu and not (engine.info["gpu_offload"] and engine.n_gpu_layers != 0):
+        # Without this, a CUDA initialisation failure would load the model on the CPU and /ping would
+        # still answer 200: a "GPU" endpoint quietly serving from a few vCPUs.
+        engine.close()
+        raise GpuUnavailable(
+            "SEMIF_REQUIRE_GPU is set but no GPU backend came up (llama_supports_gpu_offload() is false "
+            f"or no layers were offloaded); hardware seen: {engine.info['hardware']}"
+        )
     log.info(
         "model loaded",
         extra={
@@ -114,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     configure(settings.log_level)
     try:
         app = build_app(settings)
+    except GpuUnavailable as exc:
+        log.error("GPU required but unavailable", extra={"error": str(exc)})
+        print(f"serve: {exc}", file=sys.stderr)
+        return 6
     except CalibrationError as exc:
         log.error("calibration file refused", extra={"error": str(exc)})
         print(f"serve: invalid SEMIF_CALIBRATION_PATH: {exc}", file=sys.stderr)
