@@ -239,6 +239,8 @@ class ServingEndpoint(Construct):
         # InvocationsPerInstance (per minute, blind to request cost) reacts after the queue already answers 503.
         self.scalable_target.scale_to_track_metric(
             "ConcurrentRequests",
+            # A fixed name: the same template whether the stack is deployed by hand or by the pipeline.
+            policy_name=f"{endpoint_name}-concurrency",
             target_value=compute.target_concurrency,
             predefined_metric=appscaling.PredefinedMetric.SAGEMAKER_VARIANT_CONCURRENT_REQUESTS_PER_MODEL_HIGH_RESOLUTION,
             scale_in_cooldown=Duration.minutes(10),
