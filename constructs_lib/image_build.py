@@ -28,6 +28,7 @@ from aws_cdk import (
 from constructs import Construct
 
 from constructs_lib.image_sources import DLC_REPOSITORY, dlc_registry_account
+from constructs_lib.nag import checkov_skip
 
 IMAGE_REPOSITORY_NAME = "semif/adapter"
 CACHE_REPOSITORY_NAME = "semif/adapter-build-cache"
@@ -92,6 +93,8 @@ class AdapterImageRepository(Construct):
                                                tag_status=ecr.TagStatus.UNTAGGED, max_image_age=Duration.days(14))],
             removal_policy=RemovalPolicy.DESTROY, empty_on_delete=False,
         )
+        checkov_skip(self.cache_repository, "CKV_AWS_51", "BuildKit's registry cache rewrites one tag per variant "
+                     "on every build; it holds cache layers, never an image any endpoint runs.")
         # SageMaker in each environment account pulls with the endpoint's execution role; that account's
         # policies name this repository, and this policy lets the accounts in.
         accounts = sorted(set(pull_accounts) - {Stack.of(self).account})

@@ -15,6 +15,7 @@ from typing import Mapping, Optional
 
 import jsii
 from aws_cdk import (
+    ArnFormat,
     Duration,
     RemovalPolicy,
     Stack,
@@ -85,7 +86,19 @@ class ServingEndpoint(Construct):
         # filters (SageMaker then finds it and does not create its own). With RETAIN_ON_UPDATE_OR_DELETE a failed
         # first deploy removes it on rollback, so the retry does not meet "already exists"; DESTROY (dev) removes
         # it with the stack, after the endpoint that writes to it.
-        self.log_group = logs.LogGroup(self, "Logs", log_group_name=endpoint_log_group_name(endpoint_name),
+        log_group_name = endpoint_log_group_name(endpoint_name)
+        self.log_key = kms.Key(self, "LogKey", enable_key_rotation=True, removal_policy=removal_policy,
+                               description=f"Log encryption for endpoint {endpoint_name}")
+        # CloudWatch Logs encrypts with the key for this one log group only (encryption-context condition).
+        self.log_key.add_to_resource_policy(iam.PolicyStatement(
+            principals=[iam.ServicePrincipal(f"logs.{stack.region}.amazonaws.com")],
+            actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncryptFrom", "kms:ReEncryptTo", "kms:GenerateDataKey",
+                     "kms:DescribeKey"],
+            resources=["*"],
+            conditions={"ArnEquals": {"kms:EncryptionContext:aws:logs:arn": stack.format_arn(
+                service="logs", resource="log-group", resource_name=log_group_name,
+                arn_format=ArnFormat.COLON_RESOURCE_NAME)}}))
+        self.log_group = logs.LogGroup(self, "Logs", log_group_name=log_group_name, encryption_key=self.log_key,
                                        retention=log_retention, removal_policy=removal_policy)
 
         self.role = iam.Role(self, "ExecutionRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
