@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-from aws_cdk import (CfnOutput, DefaultStackSynthesizer, Environment, Stack, Stage, aws_codebuild as codebuild,
+from aws_cdk import (CfnOutput, DefaultStackSynthesizer, Duration, Environment, Stack, Stage, aws_codebuild as codebuild,
                      aws_iam as iam, pipelines)
 from constructs import Construct
 
@@ -225,7 +225,7 @@ class PipelineStack(Stack):
         return self._check_step(
             f"Bake-{baked.name}-before-{target}", role_arn=baked.check_role_arn, region=baked.region,
             env={"BAKE_SECONDS": str(minutes * 60), "ALARM_PREFIX": f"semif-{baked.name}-"},
-            timeout=None,
+            timeout=Duration.minutes(minutes + 15),
             commands=[
                 'echo "baking ${ALARM_PREFIX}* for ${BAKE_SECONDS}s"',
                 'end=$(( $(date +%s) + BAKE_SECONDS )); while :; do '

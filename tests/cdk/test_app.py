@@ -296,6 +296,7 @@ def test_prod_needs_a_manual_approval_and_a_clean_staging_bake_before_any_deploy
     (bake,) = [a for a in actions if a["Name"].startswith("Bake-staging")]
     assert approval["RunOrder"] < first_deploy and bake["RunOrder"] < first_deploy
     spec = _project(pipeline_template, bake)["Source"]["BuildSpec"]
+    assert _project(pipeline_template, bake)["TimeoutInMinutes"] == 30 + 15
     assert "describe-alarms --alarm-name-prefix" in spec and "--state-value ALARM" in spec
     variables = _variables(pipeline_template, bake)
     assert variables["BAKE_SECONDS"] == "1800"

@@ -107,9 +107,14 @@ def test_gpu_variant_uses_instance_pools_in_priority_order(stacks):
     assert production_variant["VariantInstanceProvisionTimeoutInSeconds"] == 1800
 
 
+def _keys(template: Template, purpose: str) -> dict:
+    return {k: r for k, r in template.find_resources("AWS::KMS::Key").items()
+            if r["Properties"]["Description"].startswith(purpose)}
+
+
 def test_gpu_variant_with_local_nvme_gets_no_volume_key(stacks):
     assert "KmsKeyId" not in only(stacks["gpu"], "AWS::SageMaker::EndpointConfig")["Properties"]
-    stacks["gpu"].resource_count_is("AWS::KMS::Key", 0)
+    assert _keys(stacks["gpu"], "ML storage volume encryption") == {}
 
 
 def test_cpu_variant_uses_fixed_instance_type_and_a_volume_key(stacks):
@@ -117,7 +122,8 @@ def test_cpu_variant_uses_fixed_instance_type_and_a_volume_key(stacks):
     assert production_variant["InstanceType"] == "ml.c6i.8xlarge"
     assert "InstancePools" not in production_variant
     assert "VariantInstanceProvisionTimeoutInSeconds" not in production_variant
-    (key_id,) = stacks["cpu"].find_resources("AWS::KMS::Key", {"Properties": {"EnableKeyRotation": True}})
+    (key_id,) = _keys(stacks["cpu"], "ML storage volume encryption")
+    assert stacks["cpu"].find_resources("AWS::KMS::Key")[key_id]["Properties"]["EnableKeyRotation"] is True
     config = only(stacks["cpu"], "AWS::SageMaker::EndpointConfig")["Properties"]
     assert config["KmsKeyId"] == {"Fn::GetAtt": [key_id, "Arn"]}
 
@@ -440,8 +446,19 @@ def test_volume_key_grants_are_only_for_aws_resources(stacks):
 def test_endpoint_resources_are_kept_on_update_and_delete_but_not_after_a_failed_create(stacks):
     (log_group,) = stacks["cpu"].find_resources("AWS::Logs::LogGroup").values()
     assert log_group["DeletionPolicy"] == "RetainExceptOnCreate"
-    (key,) = stacks["cpu"].find_resources("AWS::KMS::Key").values()
-    assert key["DeletionPolicy"] == "RetainExceptOnCreate"
+    keys = stacks["cpu"].find_resources("AWS::KMS::Key").values()
+    assert len(keys) == 2 and all(k["DeletionPolicy"] == "RetainExceptOnCreate" for k in keys)
+
+
+def test_endpoint_logs_are_encrypted_with_a_key_cloudwatch_logs_may_use_for_that_log_group_only(stacks):
+    (log_group,) = stacks["gpu"].find_resources("AWS::Logs::LogGroup").values()
+    (key_id,) = _keys(stacks["gpu"], "Log encryption")
+    assert log_group["Properties"]["KmsKeyId"] == {"Fn::GetAtt": [key_id, "Arn"]}
+    statements = stacks["gpu"].find_resources("AWS::KMS::Key")[key_id]["Properties"]["KeyPolicy"]["Statement"]
+    (logs_statement,) = [s for s in statements if s.get("Principal", {}).get("Service") == "logs.us-east-1.amazonaws.com"]
+    condition = json.dumps(logs_statement["Condition"])
+    assert "kms:EncryptionContext:aws:logs:arn" in condition
+    assert "log-group:/aws/sagemaker/Endpoints/gpu-decision" in condition
 
 
 def test_decision_endpoint_exposes_its_parts(stacks):
