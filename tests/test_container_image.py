@@ -510,6 +510,8 @@ def test_the_image_build_gates_on_the_abi_check_and_records_the_dlcs(dockerfile)
     gate, record = runs[0].split("&& {", 1)
     assert '--library "${site}/llama_cpp/lib/libllama.so"' in gate and "|| true" not in gate
     assert "/opt/llama.cpp/bin/libllama.so" in record and "DLC_ABI_REPORT.txt" in record
+    # Whether the DLC's plugin backends could be loaded by our process: the loader entry point libggml exports.
+    assert "ggml_backend_load_all_from_path" in record and "libggml-*.so" in record
     install = next(i for i, r in enumerate(builder.all("RUN")) if "pip install --no-binary llama-cpp-python" in r)
     assert builder.all("RUN").index(runs[0]) == install + 1  # checked before anything else is installed
 

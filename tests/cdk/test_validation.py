@@ -316,3 +316,14 @@ def test_monthly_minimum_cost_table_in_the_deploy_doc_matches_the_config():
     # Dev is sized to its 135M model: two small CPU instances, not the ~$1.7k/month it used to be.
     dev_total = float(table.split("| dev | **total** | | | **")[1].split("**")[0].replace(",", ""))
     assert dev_total < 300
+
+
+def test_the_deploy_doc_walks_from_zero_and_says_what_stays_unverified():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    for heading in ("## 0. Before the first deploy", "## 1. Bootstrap", "## 2. Quotas: GPU instances for blue/green",
+                    "## 3. Deploy the pipeline, then give it a model", "## What stays unverified without an AWS account"):
+        assert heading in doc, heading
+    unverified = doc.split("## What stays unverified without an AWS account")[1]
+    assert "The image build itself is unverified until its first CodeBuild run" in unverified
+    assert "autoscaling_enabled: false" in doc  # the instance-type change procedure
+    assert "aws ecr describe-images --region us-east-1 --registry-id 763104351884" in doc  # DLC digest look-up
