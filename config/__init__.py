@@ -236,8 +236,8 @@ _ACCELERATOR_FAMILIES = re.compile(r"^(inf\d+|trn\d+|dl\d+)")
 _GPU_FAMILIES = re.compile(r"^(g\d+[a-z]*|p\d+[a-z]*)$")
 # Graviton families (c7g, m6gd, r8g, c7gn, ...): arm64, but the DLC variants configured here are x86-64 images.
 _ARM64_FAMILY = re.compile(r"^[a-z]+\d+g[a-z]*$")
-# SageMaker's VariantInstanceProvisionTimeoutInSeconds range.
-PROVISION_TIMEOUT_RANGE = (600, 3600)
+# SageMaker's VariantInstanceProvisionTimeoutInSeconds range (botocore service model: min 300, max 3600).
+PROVISION_TIMEOUT_RANGE = (300, 3600)
 
 
 def instance_family(instance_type: str) -> str:

@@ -263,7 +263,7 @@ def test_gpu_variants_need_a_host_ami_whose_driver_runs_cuda_13(tmp_path, raw_co
 
 @pytest.mark.parametrize("value", [120, 7200])
 def test_provisioning_timeout_outside_sagemakers_range_is_refused(tmp_path, raw_config, value):
-    with pytest.raises(ConfigError, match=f"variant_instance_provision_timeout_s: {value} is outside 600-3600"):
+    with pytest.raises(ConfigError, match=f"variant_instance_provision_timeout_s: {value} is outside 300-3600"):
         _load(tmp_path, _edit(raw_config, "prod", ("decision", "variant_instance_provision_timeout_s"), value))
 
 
