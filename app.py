@@ -1,36 +1,46 @@
 #!/usr/bin/env python3
 """The SemIf CDK app. The only place that knows environments.
 
-    cdk synth -c env=dev          # the stacks of one environment (default: dev)
-    cdk deploy -c env=prod --all
-    cdk synth -c pipeline=true    # the CDK Pipelines stack that deploys every environment
+    cdk synth -c env=dev -c adapter-image-cpu=sha256:…     # the stacks of one environment (default: dev)
+    cdk deploy -c env=prod -c adapter-image-gpu=sha256:… --all
+    cdk synth -c pipeline=true -c adapter-images-dir=<dir>  # the CDK Pipelines stack that deploys every environment
 
 Synth is offline: account and region come from config/environments.json, nothing is looked up.
-cdk-nag's AwsSolutions checks run on every synth; an unacknowledged finding fails it.
+The adapter image is built once per variant by the pipeline (before any deploy) and promoted by digest:
+synth takes that digest, it never builds. cdk-nag's AwsSolutions checks run on every synth; an
+unacknowledged finding fails it.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from aws_cdk import App, CfnOutput, Environment, Tags, Validations, aws_logs as logs
+from aws_cdk import Annotations, App, Environment, RemovalPolicy, Tags, Validations, aws_logs as logs
 from cdk_nag import AwsSolutionsChecks
 from constructs import Construct
 
-from config import ConfigError, EnvironmentSettings, load_settings
+from config import AppSettings, ConfigError, EnvironmentSettings, load_settings
+from config.pricing import monthly_cost_table
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute, InstancePool
+from constructs_lib.image_build import IMAGE_REPOSITORY_NAME, read_image_digests
 from constructs_lib.image_sources import dlc_image_uri
 from constructs_lib.model_bucket import model_bucket_name
-from stacks.decision_stack import DecisionStack, smoke_test_role_name
-from stacks.pipeline_stack import PipelineStack, PipelineStageSpec, stage_stack_synthesizer
-from stacks.shared_stack import SharedStack
+from constructs_lib.serving_endpoint import target_concurrency
+from stacks.decision_stack import DecisionStack
+from stacks.pipeline_stack import (PIPELINE_CHECK_ROLE_NAME, PipelineStack, PipelineStageSpec, StageStacks,
+                                   stage_stack_synthesizer)
+from stacks.shared_stack import MANIFEST_NAME, SharedStack, pipeline_check_role_name
 from stacks.text_stack import TextStack
 
 ROOT = Path(__file__).resolve().parent
-CONTAINER_DIR = ROOT / "container"
+PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
+# dev and staging are disposable; prod keeps its data on update and delete, but not after a failed first create.
+REMOVAL_BY_TIER = {"dev": RemovalPolicy.DESTROY, "staging": RemovalPolicy.DESTROY,
+                   "prod": RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE}
 
 
 @dataclass
@@ -40,55 +50,89 @@ class EnvironmentStacks:
     text: Optional[TextStack]
 
 
-def _compute(endpoint) -> EndpointCompute:
+def _compute(endpoint, *, variant: str, inference_ami_version: Optional[str], admitted_per_instance: int) -> EndpointCompute:
     return EndpointCompute(
         instance_type=endpoint.instance_type,
         instance_pools=[InstancePool(p.instance_type, p.priority) for p in endpoint.instance_pools or ()],
         provision_timeout_s=endpoint.variant_instance_provision_timeout_s,
         min_instances=endpoint.min_instances,
         max_instances=endpoint.max_instances,
-        target_invocations_per_instance=endpoint.target_invocations_per_instance,
+        autoscaling_enabled=endpoint.autoscaling_enabled,
+        target_concurrency=target_concurrency(admitted_per_instance=admitted_per_instance,
+                                              fraction=endpoint.scale_at_concurrency_fraction),
         model_download_timeout_s=endpoint.model_download_timeout_s,
         startup_health_check_timeout_s=endpoint.startup_health_check_timeout_s,
+        inference_ami_version=inference_ami_version if variant == "gpu" else None,
     )
 
 
-def add_environment(scope: Construct, env: EnvironmentSettings, *, project: str, aws_env: Optional[Environment],
-                    smoke_test_account: Optional[str] = None, synthesizer=None) -> EnvironmentStacks:
-    """Add one environment's stacks to ``scope`` (the app, or a pipeline stage)."""
+def decision_compute(env: EnvironmentSettings) -> EndpointCompute:
+    # One request runs, SEMIF_MAX_QUEUE wait; the next gets 503.
+    return _compute(env.decision, variant=env.variant, inference_ami_version=env.inference_ami_version,
+                    admitted_per_instance=1 + env.decision.adapter.max_queue)
+
+
+def text_compute(env: EnvironmentSettings) -> EndpointCompute:
+    # llama-server runs `parallel` slots.
+    return _compute(env.text, variant=env.variant, inference_ami_version=env.inference_ami_version,
+                    admitted_per_instance=int(env.text.llama_cpp.get("parallel", 1)))
+
+
+def _thresholds(alarms, **extra) -> EndpointAlarmThresholds:
+    return EndpointAlarmThresholds(
+        invocation_5xx_per_5min=alarms.invocation_5xx_per_5min, model_latency_p95_ms=alarms.model_latency_p95_ms,
+        cpu_utilization_pct=alarms.cpu_utilization_pct, memory_utilization_pct=alarms.memory_utilization_pct,
+        disk_utilization_pct=alarms.disk_utilization_pct, gpu_utilization_pct=alarms.gpu_utilization_pct,
+        gpu_memory_utilization_pct=alarms.gpu_memory_utilization_pct, **extra)
+
+
+def image_repository_arn(settings: AppSettings) -> str:
+    pipeline = settings.pipeline
+    return f"arn:aws:ecr:{pipeline.region}:{pipeline.account}:repository/{IMAGE_REPOSITORY_NAME}"
+
+
+def pipeline_check_principal(settings: AppSettings) -> str:
+    return f"arn:aws:iam::{settings.pipeline.account}:role/{PIPELINE_CHECK_ROLE_NAME}"
+
+
+def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: AppSettings, aws_env: Optional[Environment],
+                    adapter_image_digest: str, synthesizer=None) -> EnvironmentStacks:
+    """Add one environment's stacks to ``scope`` (the app, or a pipeline stage). Both give the same templates."""
     prefix = f"semif-{env.name}"
     synth = (lambda: synthesizer()) if synthesizer else (lambda: None)
     retention = logs.RetentionDays(_retention_name(env.log_retention_days))
-    bucket_name = model_bucket_name(project, env.name, env.account, env.region)
+    removal = REMOVAL_BY_TIER[env.tier]
+    bucket_name = model_bucket_name(settings.project, env.name, env.account, env.region)
+    endpoint_names = (env.decision.endpoint_name,) + ((env.text.endpoint_name,) if env.text else ())
     shared = SharedStack(scope, f"SemIf-{env.name}-Shared", stack_name=f"{prefix}-shared", env=aws_env, synthesizer=synth(),
-                         env_name=env.name, model_bucket_name=bucket_name, model_prefix=env.model_prefix, alarm_email=env.alarm_email,
-                         description=f"SemIf {env.name}: model bucket and alarm topic")
-    thresholds = EndpointAlarmThresholds(
-        invocation_5xx_per_5min=env.alarms.invocation_5xx_per_5min,
-        model_latency_p95_ms=env.alarms.model_latency_p95_ms,
-        overload_503_per_5min=env.alarms.overload_503_per_5min,
-    )
+                         env_name=env.name, model_bucket_name=bucket_name, model_prefix=env.model_prefix,
+                         alarm_email=env.alarm_email, removal_policy=removal,
+                         pipeline_check_principal_arn=pipeline_check_principal(settings), endpoint_names=endpoint_names,
+                         description=f"SemIf {env.name}: model bucket, alarm topic and the pipeline's check role")
+    alarms = env.decision.alarms
     decision = DecisionStack(
         scope, f"SemIf-{env.name}-Decision", stack_name=f"{prefix}-decision", env=aws_env, synthesizer=synth(),
-        description=f"SemIf {env.name}: adapter image build and decision endpoint",
-        env_name=env.name, container_dir=CONTAINER_DIR, base_image=dlc_image_uri(env.region, env.variant),
-        keep_last_images=env.image_lifecycle_keep_last, model_bucket_name=bucket_name,
-        model_key=shared.models.key, model_prefix=env.model_prefix, endpoint_name=env.decision.endpoint_name,
-        compute=_compute(env.decision), adapter_environment=env.decision.adapter.to_environment(),
-        alarm_topic=shared.alarm_topic, alarm_thresholds=thresholds,
-        low_margin_threshold=env.alarms.low_margin_threshold, log_retention=retention,
-        smoke_test_account=smoke_test_account,
+        description=f"SemIf {env.name}: decision endpoint on the promoted adapter image",
+        env_name=env.name, image_repository_arn=image_repository_arn(settings), image_digest=adapter_image_digest,
+        model_bucket_name=bucket_name, model_key=shared.models.key, model_prefix=env.model_prefix,
+        endpoint_name=env.decision.endpoint_name, compute=decision_compute(env),
+        adapter_environment=env.decision.adapter.to_environment(), alarm_topic=shared.alarm_topic,
+        alarm_thresholds=_thresholds(alarms, overload_503_per_5min=alarms.overload_503_per_5min),
+        low_margin_threshold=alarms.low_margin_threshold, log_retention=retention, removal_policy=removal,
     )
     text = None
     if env.text is not None:
         text = TextStack(
             scope, f"SemIf-{env.name}-Text", stack_name=f"{prefix}-text", env=aws_env, synthesizer=synth(),
             description=f"SemIf {env.name}: llama.cpp DLC chat-completions endpoint",
-            env_name=env.name, variant=env.variant, image_digest=None, model_bucket_name=bucket_name,
-            model_key=shared.models.key, model_prefix=env.model_prefix, endpoint_name=env.text.endpoint_name,
-            compute=_compute(env.text), llama_cpp=env.text.llama_cpp, alarm_topic=shared.alarm_topic,
-            alarm_thresholds=thresholds, log_retention=retention,
+            env_name=env.name, variant=env.variant, image_digest=settings.dlc_images.digest(env.variant),
+            model_bucket_name=bucket_name, model_key=shared.models.key, model_prefix=env.model_prefix,
+            endpoint_name=env.text.endpoint_name, compute=text_compute(env), llama_cpp=env.text.llama_cpp,
+            alarm_topic=shared.alarm_topic, alarm_thresholds=_thresholds(env.text.alarms), log_retention=retention,
+            client_role_arns=env.text.client_role_arns, removal_policy=removal,
         )
+        # One endpoint provisions at a time: GPU quota and capacity go to the decision endpoint first.
+        text.add_stack_dependency(decision)
     for stack in (shared, decision, text):
         if stack is not None:
             Tags.of(stack).add("project", "semif")
@@ -106,30 +150,74 @@ def _retention_name(days: int) -> str:
     return names[days]
 
 
+def adapter_image_digests(app: App) -> dict[str, str]:
+    """The promoted adapter digests: ``-c adapter-images-dir=<dir>`` (the pipeline's image steps' outputs) or
+    ``-c adapter-image-<variant>=sha256:…`` (a hand deploy of a digest the pipeline built)."""
+    digests: dict[str, str] = {}
+    directory = app.node.try_get_context("adapter-images-dir")
+    if directory:
+        digests.update(read_image_digests(Path(directory)))
+    for variant in ("cpu", "gpu"):
+        value = app.node.try_get_context(f"adapter-image-{variant}")
+        if value:
+            digests[variant] = str(value)
+    return digests
+
+
+def _digest_for(digests: dict[str, str], variant: str) -> str:
+    if variant not in digests:
+        raise ConfigError(
+            f"no adapter image digest for the '{variant}' variant: the pipeline builds it (docs/deploy.md); pass "
+            f"-c adapter-image-{variant}=sha256:… (aws ecr describe-images --repository-name {IMAGE_REPOSITORY_NAME}), "
+            f"or -c adapter-image-{variant}={PLACEHOLDER_DIGEST} for a synth that deploys no endpoint")
+    return digests[variant]
+
+
 def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) -> App:
     app = app or App()
     settings = load_settings(config_path) if config_path else load_settings()
+    digests = adapter_image_digests(app)
     if str(app.node.try_get_context("pipeline") or "").lower() in ("1", "true", "yes"):
         pipeline = settings.pipeline
         specs = []
         for name in pipeline.stages:
             env = settings.environment(name)
 
-            def build(stage, env=env) -> CfnOutput:
-                stacks = add_environment(stage, env, project=settings.project, aws_env=None,
-                                         smoke_test_account=pipeline.account, synthesizer=stage_stack_synthesizer)
-                return stacks.decision.endpoint_name_output
+            def build(stage, env=env) -> StageStacks:
+                stacks = add_environment(stage, env, settings=settings, aws_env=None,
+                                         adapter_image_digest=_digest_for(digests, env.variant),
+                                         synthesizer=stage_stack_synthesizer)
+                return StageStacks(decision=stacks.decision, endpoint_name_output=stacks.decision.endpoint_name_output)
 
-            specs.append(PipelineStageSpec(name=name, account=env.account, region=env.region,
-                                           needs_approval=name in pipeline.approval_before,
-                                           smoke_test_role_name=smoke_test_role_name(name), build=build))
+            manifest = env.model_prefix if env.model_prefix.endswith(".tar.gz") else f"{env.model_prefix}{MANIFEST_NAME}"
+            specs.append(PipelineStageSpec(
+                name=name, account=env.account, region=env.region, needs_approval=name in pipeline.approval_before,
+                check_role_arn=f"arn:aws:iam::{env.account}:role/{pipeline_check_role_name(name)}",
+                model_bucket=model_bucket_name(settings.project, name, env.account, env.region), manifest_key=manifest,
+                chat_endpoint=env.text.endpoint_name if env.text else None, build=build))
+        by_name = {s.name: s for s in specs}
         PipelineStack(app, "SemIf-Pipeline", stack_name="semif-pipeline",
                       env=Environment(account=pipeline.account, region=pipeline.region),
                       description="SemIf delivery pipeline", connection_arn=pipeline.connection_arn,
-                      repository=pipeline.repository, branch=pipeline.branch, stages=specs)
+                      repository=pipeline.repository, branch=pipeline.branch, stages=specs,
+                      bakes={target: by_name[baked] for target, baked in pipeline.bake_before.items()},
+                      bake_minutes=pipeline.bake_minutes, image_keep_last=pipeline.image_keep_last,
+                      dlc_base_images={v: dlc_image_uri(pipeline.region, v, settings.dlc_images.digest(v))
+                                       for v in ("cpu", "gpu")},
+                      pull_accounts=sorted({e.account for e in settings.environments.values()}))
     else:
         env = settings.environment(str(app.node.try_get_context("env") or "dev"))
-        add_environment(app, env, project=settings.project, aws_env=Environment(account=env.account, region=env.region))
+        stacks = add_environment(app, env, settings=settings, aws_env=Environment(account=env.account, region=env.region),
+                                 adapter_image_digest=_digest_for(digests, env.variant))
+        if digests[env.variant] == PLACEHOLDER_DIGEST:
+            Annotations.of(stacks.decision).add_warning_v2(
+                "semif:placeholder-image", "adapter image digest is the all-zero placeholder: this synth deploys no "
+                "working endpoint")
+    for variant in ("cpu", "gpu"):
+        if settings.dlc_images.digest(variant) == PLACEHOLDER_DIGEST:
+            Annotations.of(app).add_warning_v2(
+                f"semif:dlc-{variant}-unpinned", f"config dlc_images.{variant} is the all-zero placeholder: pin the "
+                "DLC digest (docs/deploy.md, step 0) before deploying")
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return app
 
@@ -137,6 +225,7 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
 if __name__ == "__main__":
     try:
         application = build_app()
+        print(monthly_cost_table(load_settings()), file=sys.stderr)
     except ConfigError as exc:
         raise SystemExit(f"config error: {exc}") from None
     application.synth()

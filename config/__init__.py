@@ -31,6 +31,25 @@ class InstancePoolSettings:
 
 
 @dataclass(frozen=True)
+class EndpointAlarmSettings:
+    """Thresholds every endpoint gets; each endpoint (decision, chat) has its own."""
+
+    invocation_5xx_per_5min: int
+    model_latency_p95_ms: int
+    cpu_utilization_pct: int
+    memory_utilization_pct: int
+    disk_utilization_pct: int
+    gpu_utilization_pct: int
+    gpu_memory_utilization_pct: int
+
+
+@dataclass(frozen=True)
+class DecisionAlarmSettings(EndpointAlarmSettings):
+    overload_503_per_5min: int
+    low_margin_threshold: float
+
+
+@dataclass(frozen=True)
 class EndpointComputeSettings:
     """What every SageMaker endpoint variant needs, decision or text."""
 
@@ -40,7 +59,12 @@ class EndpointComputeSettings:
     variant_instance_provision_timeout_s: Optional[int]
     min_instances: int
     max_instances: int
-    target_invocations_per_instance: int
+    # False deregisters the scalable target: the first of two deploys that change instance types
+    # (docs/deploy.md, "Changing instance types").
+    autoscaling_enabled: bool
+    # Scale out when in-flight requests per instance reach this share of what one instance admits
+    # (decision: 1 running + SEMIF_MAX_QUEUE waiting; chat: llama-server's `parallel` slots).
+    scale_at_concurrency_fraction: float
     model_download_timeout_s: int
     startup_health_check_timeout_s: int
 
@@ -77,20 +101,16 @@ class AdapterSettings:
 @dataclass(frozen=True)
 class DecisionSettings(EndpointComputeSettings):
     adapter: AdapterSettings
+    alarms: DecisionAlarmSettings
 
 
 @dataclass(frozen=True)
 class TextSettings(EndpointComputeSettings):
     # Checked against the llama-server flag allow-list by the chat endpoint construct at synth.
     llama_cpp: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class AlarmSettings:
-    overload_503_per_5min: int
-    invocation_5xx_per_5min: int
-    model_latency_p95_ms: int
-    low_margin_threshold: float
+    # The roles (full ARNs) that may assume ChatClientRole; never a whole account.
+    client_role_arns: tuple[str, ...]
+    alarms: EndpointAlarmSettings
 
 
 @dataclass(frozen=True)
@@ -99,13 +119,29 @@ class EnvironmentSettings:
     account: str
     region: str
     variant: Literal["cpu", "gpu"]
+    # dev and staging are disposable (everything is destroyed with the stack); prod retains its data
+    # on update or delete, and must page someone.
+    tier: Literal["dev", "staging", "prod"]
     model_prefix: str
-    image_lifecycle_keep_last: int
     log_retention_days: int
     alarm_email: Optional[str]
+    # A prod environment without alarm_email must say why here (an explicit opt-out).
+    alarm_opt_out_reason: Optional[str]
+    # GPU variants only: the SageMaker host AMI, whose NVIDIA driver must run the DLC's CUDA.
+    inference_ami_version: Optional[str]
     decision: DecisionSettings
-    alarms: AlarmSettings
     text: Optional[TextSettings]
+
+
+@dataclass(frozen=True)
+class DlcImageSettings:
+    """The llama.cpp DLC, pinned by digest per variant (look-up command: docs/deploy.md)."""
+
+    cpu: str
+    gpu: str
+
+    def digest(self, variant: str) -> str:
+        return getattr(self, variant)
 
 
 @dataclass(frozen=True)
@@ -117,11 +153,16 @@ class PipelineSettings:
     branch: str
     stages: tuple[str, ...]
     approval_before: tuple[str, ...]
+    # prod's pre-step waits this long on the named earlier stage and fails if any of its alarms fired.
+    bake_before: Mapping[str, str]
+    bake_minutes: int
+    image_keep_last: int
 
 
 @dataclass(frozen=True)
 class AppSettings:
     project: str
+    dlc_images: DlcImageSettings
     environments: Mapping[str, EnvironmentSettings]
     pipeline: PipelineSettings
 
@@ -152,15 +193,22 @@ def load_settings(path: Path | str = CONFIG_PATH) -> AppSettings:
     for stage in (*pipeline.stages, *pipeline.approval_before):
         if stage not in environments:
             raise ConfigError(f"pipeline: stage '{stage}' is not a defined environment")
-    app_settings = AppSettings(project=settings.project, environments=environments, pipeline=pipeline)
+    app_settings = AppSettings(project=settings.project, dlc_images=settings.dlc_images, environments=environments,
+                               pipeline=pipeline)
+    for variant in ("cpu", "gpu"):
+        if not _DIGEST.match(settings.dlc_images.digest(variant)):
+            raise ConfigError(f"dlc_images.{variant}: '{settings.dlc_images.digest(variant)}' is not a "
+                              "'sha256:<64 hex>' digest (look-up command: docs/deploy.md)")
     for env in environments.values():
         _check_environment(env)
+    _check_pipeline(pipeline, environments)
     return app_settings
 
 
 @dataclass(frozen=True)
 class _TopLevel:
     project: str
+    dlc_images: DlcImageSettings
     pipeline: PipelineSettings
 
 
@@ -168,6 +216,39 @@ _ACCOUNT = re.compile(r"^\d{12}$")
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d$")
 _ENDPOINT_NAME = re.compile(r"^[a-z0-9](-*[a-z0-9]){0,62}$")
 _MODEL_PREFIX = re.compile(r"^models/[A-Za-z0-9._-]+/[A-Za-z0-9._-]+/$|^models/[A-Za-z0-9._/-]+\.tar\.gz$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_ROLE_ARN = re.compile(r"^arn:aws:iam::\d{12}:role/[A-Za-z0-9+=,.@_/-]+$")
+_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+
+# System One's 255-option standard renders to about 4.7k tokens: no environment may run a smaller context.
+MIN_N_CTX = 8192
+
+# The llama.cpp DLC's GPU image runs CUDA 13.0, which needs NVIDIA driver >= 580. SageMaker's default GPU
+# host drivers are older on some families, so GPU variants pin a host AMI whose driver runs CUDA 13 (botocore's
+# ProductionVariant.InferenceAmiVersion: "al2023-ami-sagemaker-inference-gpu-4-1 — NVIDIA driver 580, CUDA 13.0").
+# The families are those SageMaker hosts on that AMI whose GPU CUDA 13 still supports (compute capability >= 7.5:
+# T4, A10G, L4, L40S, A100, H100/H200); p3 (V100, 7.0) is not one of them.
+GPU_INFERENCE_AMIS: dict[str, frozenset[str]] = {
+    "al2023-ami-sagemaker-inference-gpu-4-1": frozenset({"g4dn", "g5", "g6", "g6e", "p4d", "p4de", "p5", "p5e", "p5en"}),
+}
+# Families whose instances have no NVIDIA GPU but an accelerator (Inferentia, Trainium): neither DLC variant runs there.
+_ACCELERATOR_FAMILIES = re.compile(r"^(inf\d+|trn\d+|dl\d+)")
+_GPU_FAMILIES = re.compile(r"^(g\d+[a-z]*|p\d+[a-z]*)$")
+# Graviton families (c7g, m6gd, r8g, c7gn, ...): arm64, but the DLC variants configured here are x86-64 images.
+_ARM64_FAMILY = re.compile(r"^[a-z]+\d+g[a-z]*$")
+# SageMaker's VariantInstanceProvisionTimeoutInSeconds range (botocore service model: min 300, max 3600).
+PROVISION_TIMEOUT_RANGE = (300, 3600)
+
+
+def instance_family(instance_type: str) -> str:
+    """``ml.g6e.xlarge`` -> ``g6e``."""
+    parts = instance_type.split(".")
+    return parts[1] if len(parts) == 3 else instance_type
+
+
+def is_gpu_family(family: str) -> bool:
+    # g5g is Graviton + T4G: an arm64 host, refused separately below.
+    return bool(_GPU_FAMILIES.match(family))
 
 
 def _check_environment(env: EnvironmentSettings) -> None:
@@ -189,6 +270,75 @@ def _check_environment(env: EnvironmentSettings) -> None:
             )
         if not 1 <= endpoint.min_instances <= endpoint.max_instances:
             raise ConfigError(f"{where}.{label}: need 1 <= min_instances <= max_instances")
+        _check_compute(env, f"{where}.{label}", endpoint)
+    adapter = env.decision.adapter
+    if adapter.n_ctx < MIN_N_CTX:
+        raise ConfigError(f"{where}.decision.adapter.n_ctx: {adapter.n_ctx} is below {MIN_N_CTX}; System One's "
+                          "255-option standard needs about 4.7k tokens of context")
+    if env.variant == "gpu" and adapter.n_gpu_layers == 0:
+        raise ConfigError(f"{where}.decision.adapter.n_gpu_layers: 0 on a GPU variant offloads nothing; use -1 (all)")
+    if env.tier == "prod" and not env.alarm_email and not env.alarm_opt_out_reason:
+        raise ConfigError(f"{where}.alarm_email: a prod environment needs an alarm subscription "
+                          "(or alarm_opt_out_reason saying who watches the alarms instead)")
+    if env.alarm_email and not _EMAIL.match(env.alarm_email):
+        raise ConfigError(f"{where}.alarm_email: '{env.alarm_email}' is not an email address")
+    if env.variant == "gpu":
+        if env.inference_ami_version not in GPU_INFERENCE_AMIS:
+            raise ConfigError(f"{where}.inference_ami_version: a GPU variant needs one of "
+                              f"{', '.join(sorted(GPU_INFERENCE_AMIS))} (the DLC runs CUDA 13; older host drivers "
+                              f"cannot), got {env.inference_ami_version!r}")
+    elif env.inference_ami_version is not None:
+        raise ConfigError(f"{where}.inference_ami_version: only GPU variants set a host AMI; use null")
+    if env.text is not None:
+        for i, arn in enumerate(env.text.client_role_arns):
+            if not _ROLE_ARN.match(arn):
+                raise ConfigError(f"{where}.text.client_role_arns[{i}]: '{arn}' is not an IAM role ARN")
+        if not env.text.client_role_arns:
+            raise ConfigError(f"{where}.text.client_role_arns: name at least one role that may call the chat endpoint")
+
+
+def _check_compute(env: EnvironmentSettings, where: str, endpoint: EndpointComputeSettings) -> None:
+    types = [endpoint.instance_type] if endpoint.instance_type else [p.instance_type for p in endpoint.instance_pools or ()]
+    for instance_type in types:
+        family = instance_family(instance_type)
+        if _ACCELERATOR_FAMILIES.match(family):
+            raise ConfigError(f"{where}: {instance_type} has no NVIDIA GPU or x86 CPU the llama.cpp DLC runs on")
+        if _ARM64_FAMILY.match(family):
+            raise ConfigError(f"{where}: {instance_type} is an arm64 (Graviton) instance; the '{env.variant}' "
+                              "DLC image is x86-64")
+        if env.variant == "gpu" and not is_gpu_family(family):
+            raise ConfigError(f"{where}: {instance_type} has no GPU, but variant is 'gpu' (the CUDA image would "
+                              "run on the CPU)")
+        if env.variant == "cpu" and is_gpu_family(family):
+            raise ConfigError(f"{where}: {instance_type} is a GPU instance, but variant is 'cpu' (its GPU would "
+                              "sit idle); set variant 'gpu'")
+        if env.variant == "gpu" and env.inference_ami_version in GPU_INFERENCE_AMIS:
+            supported = GPU_INFERENCE_AMIS[env.inference_ami_version]
+            if family not in supported:
+                raise ConfigError(f"{where}: {instance_type} is not a family {env.inference_ami_version} supports "
+                                  f"({', '.join(sorted(supported))})")
+    timeout = endpoint.variant_instance_provision_timeout_s
+    if timeout is not None and not PROVISION_TIMEOUT_RANGE[0] <= timeout <= PROVISION_TIMEOUT_RANGE[1]:
+        raise ConfigError(f"{where}.variant_instance_provision_timeout_s: {timeout} is outside "
+                          f"{PROVISION_TIMEOUT_RANGE[0]}-{PROVISION_TIMEOUT_RANGE[1]} s")
+    if not 0 < endpoint.scale_at_concurrency_fraction <= 1:
+        raise ConfigError(f"{where}.scale_at_concurrency_fraction: must be in (0, 1]")
+
+
+def _check_pipeline(pipeline: PipelineSettings, environments: Mapping[str, EnvironmentSettings]) -> None:
+    stages = list(pipeline.stages)
+    for i, name in enumerate(stages):
+        env = environments[name]
+        if env.tier == "prod":
+            earlier = [environments[s] for s in stages[:i]]
+            if not any(e.variant == env.variant and e.tier != "prod" for e in earlier):
+                raise ConfigError(f"pipeline.stages: '{name}' runs the {env.variant} image, but no earlier stage does; "
+                                  f"add a {env.variant} staging stage ahead of it so its digest runs before prod")
+    for target, baked in pipeline.bake_before.items():
+        if target not in stages or baked not in stages or stages.index(baked) >= stages.index(target):
+            raise ConfigError(f"pipeline.bake_before: '{baked}' must be a stage that runs before '{target}'")
+    if not 0 <= pipeline.bake_minutes <= 480:
+        raise ConfigError("pipeline.bake_minutes: must be 0 to 480")
 
 
 def _fail(where: str, message: str) -> Any:

@@ -70,7 +70,7 @@ class ChatEndpoint(ServingEndpoint):
         alarm_topic: sns.ITopic,
         alarm_thresholds: EndpointAlarmThresholds,
         log_retention: logs.RetentionDays,
-        removal_policy: RemovalPolicy = RemovalPolicy.RETAIN,
+        removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
     ) -> None:
         super().__init__(
             scope, id_, endpoint_name=endpoint_name, image=image, model_bucket=model_bucket, model_key=model_key,
@@ -82,7 +82,7 @@ class ChatEndpoint(ServingEndpoint):
                                             alarms=list(self.alarms.values()))
 
     def grant_invoke(self, grantee: iam.IGrantable) -> iam.Grant:
-        """InvokeEndpoint on this endpoint, plus bearer tokens for the OpenAI-compatible route.
+        """InvokeEndpoint (and streaming) on this endpoint, plus bearer tokens for the OpenAI-compatible route.
 
         ``sagemaker:CallWithBearerToken`` takes no resource ARN (SageMaker requires '*'); the token
         carries the caller's credentials, so InvokeEndpoint on this ARN still bounds what it can call.

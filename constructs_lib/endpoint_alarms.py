@@ -1,13 +1,23 @@
-"""Alarms for SageMaker endpoints. Each goes to the SNS topic, on ALARM and on OK."""
+"""Alarms for SageMaker endpoints. Each goes to the SNS topic, on ALARM and on OK.
+
+Every alarm has a fixed name (``<endpoint>-<kind>``), so the endpoint's blue/green auto-rollback
+and the pipeline's bake step can name them. Missing data is chosen per alarm: an endpoint that
+stops reporting instance metrics is dead, and its CPU, memory and GPU alarms go to ALARM.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from aws_cdk import Duration, aws_cloudwatch as cloudwatch, aws_cloudwatch_actions as cw_actions, aws_sns as sns
 from constructs import Construct
 
+from constructs_lib.endpoint_compute import EndpointCompute
+
 PERIOD = Duration.minutes(5)
+# Instance metrics (CPU, memory, GPU, disk) live here; invocation metrics in AWS/SageMaker.
+INSTANCE_NAMESPACE = "/aws/sagemaker/Endpoints"
 
 
 @dataclass(frozen=True)
@@ -15,6 +25,15 @@ class EndpointAlarmThresholds:
     invocation_5xx_per_5min: int
     model_latency_p95_ms: int
     overload_503_per_5min: int = 0  # decision endpoints only: counted from the adapter's log lines
+    cpu_utilization_pct: int = 90
+    memory_utilization_pct: int = 90
+    disk_utilization_pct: int = 80
+    gpu_utilization_pct: int = 95
+    gpu_memory_utilization_pct: int = 90
+
+
+def alarm_name(endpoint_name: str, kind: str) -> str:
+    return f"{endpoint_name}-{kind}"
 
 
 def notify(alarm: cloudwatch.Alarm, topic: sns.ITopic) -> cloudwatch.Alarm:
@@ -25,26 +44,79 @@ def notify(alarm: cloudwatch.Alarm, topic: sns.ITopic) -> cloudwatch.Alarm:
 
 
 def sagemaker_endpoint_alarms(scope: Construct, *, endpoint_name: str, variant_name: str, topic: sns.ITopic,
-                              thresholds: EndpointAlarmThresholds) -> dict[str, cloudwatch.Alarm]:
+                              thresholds: EndpointAlarmThresholds, compute: EndpointCompute,
+                              overload_503: Optional[cloudwatch.IMetric] = None) -> dict[str, cloudwatch.Alarm]:
+    """``overload_503`` (the adapter's own count) is subtracted from Invocation5XXErrors: a 503 is designed-in
+    back-pressure with its own alarm, not a server error."""
     dimensions = {"EndpointName": endpoint_name, "VariantName": variant_name}
-    errors_5xx = cloudwatch.Metric(namespace="AWS/SageMaker", metric_name="Invocation5XXErrors",
-                                   dimensions_map=dimensions, statistic="Sum", period=PERIOD)
-    # ModelLatency is reported in microseconds.
-    latency_p95 = cloudwatch.Metric(namespace="AWS/SageMaker", metric_name="ModelLatency",
-                                    dimensions_map=dimensions, statistic="p95", period=PERIOD)
-    return {
-        "invocation_5xx": notify(cloudwatch.Alarm(
-            scope, "Invocation5xxAlarm", metric=errors_5xx,
-            alarm_description=f"{endpoint_name}: SageMaker Invocation5XXErrors (all 5xx, incl. container errors)",
-            threshold=thresholds.invocation_5xx_per_5min, evaluation_periods=1,
-            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
-        ), topic),
-        "model_latency_p95": notify(cloudwatch.Alarm(
-            scope, "ModelLatencyP95Alarm", metric=latency_p95,
-            alarm_description=f"{endpoint_name}: ModelLatency p95 above {thresholds.model_latency_p95_ms} ms",
-            threshold=thresholds.model_latency_p95_ms * 1000, evaluation_periods=3, datapoints_to_alarm=3,
-            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
-            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
-        ), topic),
+
+    def metric(name: str, statistic: str, namespace: str = "AWS/SageMaker") -> cloudwatch.Metric:
+        return cloudwatch.Metric(namespace=namespace, metric_name=name, dimensions_map=dimensions,
+                                 statistic=statistic, period=PERIOD)
+
+    def alarm(id_: str, kind: str, description: str, metric_: cloudwatch.IMetric, threshold: float, *,
+              periods: int = 1, missing: cloudwatch.TreatMissingData = cloudwatch.TreatMissingData.NOT_BREACHING,
+              operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD) -> cloudwatch.Alarm:
+        return notify(cloudwatch.Alarm(
+            scope, id_, alarm_name=alarm_name(endpoint_name, kind), metric=metric_,
+            alarm_description=f"{endpoint_name}: {description}", threshold=threshold, evaluation_periods=periods,
+            datapoints_to_alarm=periods, comparison_operator=operator, treat_missing_data=missing,
+        ), topic)
+
+    errors_5xx = metric("Invocation5XXErrors", "Sum")
+    if overload_503 is not None:
+        server_errors: cloudwatch.IMetric = cloudwatch.MathExpression(
+            expression="FILL(errors, 0) - FILL(overload, 0)", using_metrics={"errors": errors_5xx,
+                                                                            "overload": overload_503},
+            label="5xx other than 503 (queue full)", period=PERIOD)
+        what = "5xx other than the adapter's 503 back-pressure"
+    else:
+        server_errors, what = errors_5xx, "Invocation5XXErrors"
+    at_least = cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD
+    alarms = {
+        # No traffic means no errors and no latency: missing data is fine here.
+        "server_errors": alarm("Invocation5xxAlarm", "server-errors", f"{what} per 5 min",
+                               server_errors, thresholds.invocation_5xx_per_5min, operator=at_least),
+        # ModelLatency is reported in microseconds.
+        "model_latency_p95": alarm("ModelLatencyP95Alarm", "latency-p95",
+                                   f"ModelLatency p95 above {thresholds.model_latency_p95_ms} ms",
+                                   metric("ModelLatency", "p95"), thresholds.model_latency_p95_ms * 1000, periods=3),
+        # Instance metrics stop when the endpoint has no healthy instance: missing data is an outage.
+        "cpu_utilization": alarm("CpuUtilizationAlarm", "cpu-utilization",
+                                 f"CPUUtilization above {thresholds.cpu_utilization_pct}% of every vCPU, or no "
+                                 "instance reporting", metric("CPUUtilization", "Average", INSTANCE_NAMESPACE),
+                                 thresholds.cpu_utilization_pct * compute.min_vcpus, periods=3,
+                                 missing=cloudwatch.TreatMissingData.BREACHING),
+        "memory_utilization": alarm("MemoryUtilizationAlarm", "memory-utilization",
+                                    f"MemoryUtilization above {thresholds.memory_utilization_pct}%, or no instance "
+                                    "reporting", metric("MemoryUtilization", "Average", INSTANCE_NAMESPACE),
+                                    thresholds.memory_utilization_pct, periods=3,
+                                    missing=cloudwatch.TreatMissingData.BREACHING),
+        "disk_utilization": alarm("DiskUtilizationAlarm", "disk-utilization",
+                                  f"DiskUtilization above {thresholds.disk_utilization_pct}%",
+                                  metric("DiskUtilization", "Maximum", INSTANCE_NAMESPACE),
+                                  thresholds.disk_utilization_pct),
     }
+    if compute.has_gpu:
+        alarms["gpu_utilization"] = alarm(
+            "GpuUtilizationAlarm", "gpu-utilization",
+            f"GPUUtilization above {thresholds.gpu_utilization_pct}% of every GPU, or no GPU reporting",
+            metric("GPUUtilization", "Average", INSTANCE_NAMESPACE),
+            thresholds.gpu_utilization_pct * compute.min_gpus, periods=3, missing=cloudwatch.TreatMissingData.BREACHING)
+        alarms["gpu_memory_utilization"] = alarm(
+            "GpuMemoryUtilizationAlarm", "gpu-memory-utilization",
+            f"GPUMemoryUtilization above {thresholds.gpu_memory_utilization_pct}% of every GPU",
+            metric("GPUMemoryUtilization", "Maximum", INSTANCE_NAMESPACE),
+            thresholds.gpu_memory_utilization_pct * compute.min_gpus, periods=3,
+            missing=cloudwatch.TreatMissingData.BREACHING)
+    if compute.autoscaling_enabled and compute.max_instances > compute.min_instances:
+        # Each instance reports CPUUtilization once a minute: samples per 5 min / 5 = instances in service.
+        instances = cloudwatch.MathExpression(
+            expression="samples / 5", using_metrics={"samples": metric("CPUUtilization", "SampleCount",
+                                                                       INSTANCE_NAMESPACE)},
+            label="instances in service", period=PERIOD)
+        alarms["scaling_at_max"] = alarm(
+            "ScalingAtMaxAlarm", "scaling-at-max",
+            f"{compute.max_instances} instances (max_instances) for 30 min: raise max_instances or the quota",
+            instances, compute.max_instances, periods=6, operator=at_least)
+    return alarms

@@ -18,6 +18,12 @@ _INSTANCE_TYPE = re.compile(r"^ml\.[a-z0-9]+\.[a-z0-9]+$")
 # Families with local NVMe instance storage: SageMaker encrypts that storage in hardware and
 # rejects a VolumeKmsKeyId (KmsKeyId) for them.
 _LOCAL_STORAGE_FAMILY = re.compile(r"^(g4dn|g5|g6|g6e|g5g|p3dn|p4d|p4de|p5|p5e|p5en|inf2|trn1|[a-z]\d+[a-z]*d)$")
+_GPU_FAMILY = re.compile(r"^(g\d+[a-z]*|p\d+[a-z]*)$")
+# vCPUs by size suffix: the same across the c/m/r/g families SageMaker hosts (xlarge = 4 vCPUs).
+VCPUS_BY_SIZE = {"large": 2, "xlarge": 4, "2xlarge": 8, "4xlarge": 16, "8xlarge": 32, "12xlarge": 48,
+                 "16xlarge": 64, "24xlarge": 96, "32xlarge": 128, "48xlarge": 192}
+# GPUs by size for the g4dn/g5/g6/g6e families (xlarge to 16xlarge carry one GPU); p-families carry 8.
+_GPUS_BY_SIZE = {"12xlarge": 4, "24xlarge": 4, "48xlarge": 8}
 
 
 @dataclass(frozen=True)
@@ -30,12 +36,15 @@ class InstancePool:
 class EndpointCompute:
     min_instances: int
     max_instances: int
-    target_invocations_per_instance: int
+    # Target of ConcurrentRequestsPerModel (in-flight requests per instance) for target tracking.
+    target_concurrency: float
     model_download_timeout_s: int
     startup_health_check_timeout_s: int
     instance_type: Optional[str] = None
     instance_pools: Sequence[InstancePool] = field(default_factory=tuple)
     provision_timeout_s: Optional[int] = None
+    autoscaling_enabled: bool = True
+    inference_ami_version: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instance_pools", tuple(self.instance_pools))
@@ -68,12 +77,14 @@ class EndpointCompute:
                 problems.append(f"'{instance_type}' is not a SageMaker instance type (ml.<family>.<size>)")
         if not 1 <= self.min_instances <= self.max_instances:
             problems.append(f"need 1 <= min_instances ({self.min_instances}) <= max_instances ({self.max_instances})")
-        if self.target_invocations_per_instance < 1:
-            problems.append("target_invocations_per_instance must be positive")
+        if self.target_concurrency <= 0:
+            problems.append("target_concurrency must be positive")
         if not MIN_STARTUP_HEALTH_CHECK_S <= self.startup_health_check_timeout_s <= 3600:
             problems.append(f"startup_health_check_timeout_s must be {MIN_STARTUP_HEALTH_CHECK_S} to 3600")
         if not 60 <= self.model_download_timeout_s <= 3600:
             problems.append("model_download_timeout_s must be 60 to 3600")
+        if self.inference_ami_version and not self.has_gpu:
+            problems.append("inference_ami_version is for GPU instance types only")
         return problems
 
     @property
@@ -88,3 +99,20 @@ class EndpointCompute:
     def supports_volume_kms_key(self) -> bool:
         """False when any instance type has local NVMe storage (SageMaker refuses a volume key there)."""
         return not any(_LOCAL_STORAGE_FAMILY.match(t.split(".")[1]) for t in self.instance_types)
+
+    @property
+    def has_gpu(self) -> bool:
+        return all(_GPU_FAMILY.match(t.split(".")[1]) for t in self.instance_types)
+
+    @property
+    def min_vcpus(self) -> int:
+        """The fewest vCPUs any instance type offers (CPUUtilization is reported as % x vCPUs)."""
+        return min(VCPUS_BY_SIZE.get(t.split(".")[2], 4) for t in self.instance_types)
+
+    @property
+    def min_gpus(self) -> int:
+        """The fewest GPUs any instance type offers (GPU metrics are reported as % x GPUs)."""
+        if not self.has_gpu:
+            return 0
+        return min(8 if t.split(".")[1].startswith("p") else _GPUS_BY_SIZE.get(t.split(".")[2], 1)
+                   for t in self.instance_types)

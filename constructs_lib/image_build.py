@@ -1,19 +1,21 @@
-"""Build the adapter image from the llama.cpp DLC with CodeBuild, during `cdk deploy`.
+"""The adapter image: built once per variant in the pipeline, before any deploy, and promoted by digest.
 
-The build context is ``container/`` shipped as an S3 asset. Its tag is a hash of every build
-input (the asset hash covers Dockerfile, buildspec and adapter sources; the base image URI is
-added), so the build runs again only when one of them changes. The custom resource returns the
-pushed image's digest; the endpoint pins ``repository@digest``.
+A CloudFormation custom resource waits at most one hour, and the CUDA build of llama.cpp can take
+longer; so the image is not built during `cdk deploy`. A pipeline step runs ``container/buildspec.yml``
+in its own CodeBuild project (no custom-resource wall; up to ``BUILD_TIMEOUT``), pushes
+``<central repository>:<input hash>`` and writes the digest to its output; the synth step reads that
+digest, and every environment of the variant deploys exactly that image (dev, staging and prod pull
+from the pipeline account's repository).
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from aws_cdk import (
-    CustomResource,
-    IgnoreMode,
     Duration,
     RemovalPolicy,
     Stack,
@@ -21,212 +23,136 @@ from aws_cdk import (
     aws_ecr as ecr,
     aws_iam as iam,
     aws_kms as kms,
-    aws_lambda as lambda_,
-    aws_logs as logs,
-    aws_s3_assets as s3_assets,
-    aws_stepfunctions as sfn,
-    custom_resources as cr,
+    pipelines,
 )
 from constructs import Construct
 
-from constructs_lib.image_sources import BuiltImage, DLC_REPOSITORY, dlc_registry_account
-from constructs_lib.nag import acknowledge, acknowledge_wildcard_resource
+from constructs_lib.image_sources import DLC_REPOSITORY, dlc_registry_account
+from constructs_lib.nag import checkov_skip
 
-HANDLER_DIR = Path(__file__).resolve().parent.parent / "lambda" / "image_build"
-
-# Used only when the context has no .dockerignore: tests, caches and local artefacts are not
-# build inputs and must not trigger a rebuild.
-CONTEXT_EXCLUDES = [
-    "tests", "tests/**", "**/__pycache__", "**/*.pyc", ".pytest_cache", "**/.pytest_cache",
-    ".hypothesis", "**/*.egg-info", ".venv", "build", "dist", "reports", "**/*.gguf", ".make",
-]
-
-
-def build_context_excludes(context_dir: Path) -> tuple[list[str], IgnoreMode]:
-    """What the asset leaves out: the Docker context's own exclusions, keeping Dockerfile and buildspec.
-
-    So the asset hash (and with it the image tag) covers exactly what `docker build` sees, plus the
-    two files that say how to build it.
-    """
-    dockerignore = context_dir / ".dockerignore"
-    if not dockerignore.is_file():
-        return list(CONTEXT_EXCLUDES), IgnoreMode.GLOB
-    patterns = [line.strip() for line in dockerignore.read_text().splitlines()
-                if line.strip() and not line.strip().startswith("#")]
-    return patterns + ["!Dockerfile", "!buildspec.yml", "!.dockerignore"], IgnoreMode.DOCKER
+IMAGE_REPOSITORY_NAME = "semif/adapter"
+CACHE_REPOSITORY_NAME = "semif/adapter-build-cache"
+IMAGE_OUTPUT_DIR = "image-out"
+IMAGE_OUTPUT_FILE = "image.json"
+# CodeBuild allows 8 h; a cold CUDA build of llama-cpp-python for four architectures takes well under 2 h on
+# 72 vCPUs. The layer cache makes an adapter-only change a matter of minutes.
+BUILD_TIMEOUT = Duration.hours(3)
 
 
-def image_input_hash(asset_hash: str, base_image: str) -> str:
-    """The image tag: changes exactly when the build context or the base image changes."""
-    return hashlib.sha256(f"{asset_hash}\n{base_image}".encode()).hexdigest()[:40]
+@dataclass(frozen=True)
+class ImageBuildSpec:
+    """One variant's build: where the base comes from and what machine compiles it."""
+
+    variant: str  # "cpu" | "gpu"
+    base_image: str  # the DLC, pinned by digest
+    compute_type: codebuild.ComputeType
+    # Memory one compiler job needs: nvcc compiling ggml-cuda for several architectures peaks near 4 GB per job.
+    gb_per_job: int
+
+    @property
+    def llama_cpp_variant(self) -> str:
+        return "cuda" if self.variant == "gpu" else "cpu"
 
 
-class ImageBuild(Construct):
-    def __init__(
-        self,
-        scope: Construct,
-        id_: str,
-        *,
-        context_dir: Path | str,
-        base_image: str,
-        keep_last_images: int,
-        log_retention: logs.RetentionDays,
-        build_timeout: Duration = Duration.minutes(60),
-        removal_policy: RemovalPolicy = RemovalPolicy.RETAIN,
-    ) -> None:
+def default_build_specs(*, cpu_base_image: str, gpu_base_image: str) -> list[ImageBuildSpec]:
+    # cpu: 8 vCPUs / 15 GB compile llama.cpp for one CPU target in minutes.
+    # gpu: 72 vCPUs / 145 GB (BUILD_GENERAL1_2XLARGE): RAM for about 36 nvcc jobs at 4 GB each.
+    return [
+        ImageBuildSpec("cpu", cpu_base_image, codebuild.ComputeType.LARGE, gb_per_job=2),
+        ImageBuildSpec("gpu", gpu_base_image, codebuild.ComputeType.X2_LARGE, gb_per_job=4),
+    ]
+
+
+def image_project_name(variant: str) -> str:
+    return f"semif-adapter-image-{variant}"
+
+
+class AdapterImageRepository(Construct):
+    """The central repository every environment pulls from, and the build cache beside it."""
+
+    def __init__(self, scope: Construct, id_: str, *, keep_last_images: int, pull_accounts: Sequence[str]) -> None:
         super().__init__(scope, id_)
-        stack = Stack.of(self)
-        self.base_image = base_image
-        self.key = kms.Key(self, "Key", description="SemIf adapter image repository and build encryption",
-                           enable_key_rotation=True, removal_policy=removal_policy)
+        self.key = kms.Key(self, "Key", description="SemIf adapter image repositories", enable_key_rotation=True,
+                           removal_policy=RemovalPolicy.RETAIN)
         self.repository = ecr.Repository(
-            self,
-            "Repository",
-            image_scan_on_push=True,
+            self, "Repository", repository_name=IMAGE_REPOSITORY_NAME, image_scan_on_push=True,
+            # A tag is the hash of the build inputs: the same tag is always the same image.
             image_tag_mutability=ecr.TagMutability.IMMUTABLE,
-            encryption=ecr.RepositoryEncryption.KMS,
-            encryption_key=self.key,
+            encryption=ecr.RepositoryEncryption.KMS, encryption_key=self.key,
             lifecycle_rules=[ecr.LifecycleRule(description=f"keep the last {keep_last_images} images",
                                                max_image_count=keep_last_images)],
-            removal_policy=removal_policy,
+            # Prod may still run any of these digests: deleting the pipeline stack must not take them.
+            removal_policy=RemovalPolicy.RETAIN,
         )
-        excludes, ignore_mode = build_context_excludes(Path(context_dir))
-        self.context_asset = s3_assets.Asset(self, "Context", path=str(context_dir), exclude=excludes,
-                                             ignore_mode=ignore_mode)
-        self.image_tag = image_input_hash(self.context_asset.asset_hash, base_image)
-
-        self.build_log_group = logs.LogGroup(self, "BuildLogs", retention=log_retention, removal_policy=removal_policy)
-        self.project_role = iam.Role(self, "ProjectRole", assumed_by=iam.ServicePrincipal("codebuild.amazonaws.com"),
-                                     description="Builds and pushes the SemIf adapter image")
-        self.project = codebuild.Project(
-            self,
-            "Project",
-            description="Builds the SemIf adapter image on the llama.cpp DLC and pushes it to ECR",
-            source=codebuild.Source.s3(bucket=self.context_asset.bucket, path=self.context_asset.s3_object_key),
-            build_spec=codebuild.BuildSpec.from_source_filename("buildspec.yml"),
-            environment=codebuild.BuildEnvironment(
-                build_image=codebuild.LinuxBuildImage.STANDARD_7_0,
-                compute_type=codebuild.ComputeType.MEDIUM,
-                privileged=True,  # docker build needs the Docker daemon
-                environment_variables={
-                    "BASE_IMAGE": codebuild.BuildEnvironmentVariable(value=base_image),
-                    "REPOSITORY_URI": codebuild.BuildEnvironmentVariable(value=self.repository.repository_uri),
-                    "IMAGE_TAG": codebuild.BuildEnvironmentVariable(value=self.image_tag),
-                },
-            ),
-            encryption_key=self.key,
-            timeout=build_timeout,
-            logging=codebuild.LoggingOptions(cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=self.build_log_group)),
-            # CodeBuild's automatic grants use wildcards (s3:GetObject*, report groups, its default
-            # log group); the statements below name each resource instead.
-            role=self.project_role.without_policy_updates(),
+        # BuildKit's registry cache overwrites one tag per variant, so it lives apart from the immutable images.
+        self.cache_repository = ecr.Repository(
+            self, "CacheRepository", repository_name=CACHE_REPOSITORY_NAME, image_scan_on_push=True,
+            image_tag_mutability=ecr.TagMutability.MUTABLE,
+            encryption=ecr.RepositoryEncryption.KMS, encryption_key=self.key,
+            lifecycle_rules=[ecr.LifecycleRule(description="expire untagged cache layers after 14 days",
+                                               tag_status=ecr.TagStatus.UNTAGGED, max_image_age=Duration.days(14))],
+            removal_policy=RemovalPolicy.DESTROY, empty_on_delete=False,
         )
-        self._grant_project(stack)
+        checkov_skip(self.cache_repository, "CKV_AWS_51", "BuildKit's registry cache rewrites one tag per variant "
+                     "on every build; it holds cache layers, never an image any endpoint runs.")
+        # SageMaker in each environment account pulls with the endpoint's execution role; that account's
+        # policies name this repository, and this policy lets the accounts in.
+        accounts = sorted(set(pull_accounts) - {Stack.of(self).account})
+        if accounts:
+            self.repository.add_to_resource_policy(iam.PolicyStatement(
+                sid="EnvironmentAccountsPull",
+                principals=[iam.AccountPrincipal(a) for a in accounts],
+                actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"]))
 
-        self.provider = self._provider(log_retention)
-        self.build = CustomResource(
-            self,
-            "Build",
-            service_token=self.provider.service_token,
-            resource_type="Custom::SemIfImageBuild",
-            properties={
-                "ProjectName": self.project.project_name,
-                "RepositoryName": self.repository.repository_name,
-                "RepositoryUri": self.repository.repository_uri,
-                "BaseImage": base_image,
-                "ImageTag": self.image_tag,
-                "SourceLocation": f"{self.context_asset.s3_bucket_name}/{self.context_asset.s3_object_key}",
-            },
-        )
-        self.image_digest = self.build.get_att_string("ImageDigest")
-        self.image = BuiltImage(repository=self.repository, digest=self.image_digest)
-
-    def _grant_project(self, stack: Stack) -> None:
-        role = self.project_role
-        asset = self.context_asset
-        role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject", "s3:GetObjectVersion"],
-                                               resources=[asset.bucket.arn_for_objects(asset.s3_object_key)]))
-        role.add_to_policy(iam.PolicyStatement(actions=["s3:GetBucketAcl", "s3:GetBucketLocation"],
-                                               resources=[asset.bucket.bucket_arn]))
-        role.add_to_policy(iam.PolicyStatement(actions=["logs:CreateLogStream", "logs:PutLogEvents"],
-                                               resources=[self.build_log_group.log_group_arn]))
-        role.add_to_policy(iam.PolicyStatement(
-            actions=["kms:Decrypt", "kms:Encrypt", "kms:GenerateDataKey", "kms:DescribeKey"],
-            resources=[self.key.key_arn]))
-        role.add_to_policy(iam.PolicyStatement(
-            actions=["ecr:BatchCheckLayerAvailability", "ecr:GetDownloadUrlForLayer", "ecr:BatchGetImage",
-                     "ecr:InitiateLayerUpload", "ecr:UploadLayerPart", "ecr:CompleteLayerUpload", "ecr:PutImage",
-                     "ecr:DescribeImages"],
-            resources=[self.repository.repository_arn]))
+    def build_step(self, spec: ImageBuildSpec, *, source: pipelines.IFileSetProducer) -> pipelines.CodeBuildStep:
+        """A pipeline step that builds ``spec``'s image from ``container/`` (or finds it built) and outputs
+        ``image-out/image.json`` with its digest."""
+        stack = Stack.of(self)
         dlc_account = dlc_registry_account(stack.region)
-        role.add_to_policy(iam.PolicyStatement(
-            actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
-            resources=[f"arn:{stack.partition}:ecr:{stack.region}:{dlc_account}:repository/{DLC_REPOSITORY}"]))
-        role.add_to_policy(iam.PolicyStatement(actions=["ecr:GetAuthorizationToken"], resources=["*"]))
-        acknowledge_wildcard_resource(role, "*", "ecr:GetAuthorizationToken (docker login to our repository and "
-                                                 "the DLC registry) supports no resource-level permissions.")
+        return pipelines.CodeBuildStep(
+            f"Image-{spec.variant}",
+            input=source,
+            project_name=image_project_name(spec.variant),
+            build_environment=codebuild.BuildEnvironment(
+                build_image=codebuild.LinuxBuildImage.STANDARD_7_0, compute_type=spec.compute_type,
+                privileged=True),  # docker build needs the Docker daemon
+            # Same-host layer reuse on top of the registry cache the buildspec uses.
+            cache=codebuild.Cache.local(codebuild.LocalCacheMode.DOCKER_LAYER),
+            timeout=BUILD_TIMEOUT,
+            env={
+                "BASE_IMAGE": spec.base_image,
+                "REPOSITORY_URI": self.repository.repository_uri,
+                "CACHE_REPOSITORY_URI": self.cache_repository.repository_uri,
+                "LLAMA_CPP_VARIANT": spec.llama_cpp_variant,
+                "GB_PER_BUILD_JOB": str(spec.gb_per_job),
+                "IMAGE_OUTPUT": f"{IMAGE_OUTPUT_DIR}/{IMAGE_OUTPUT_FILE}",
+            },
+            commands=[
+                f"mkdir -p {IMAGE_OUTPUT_DIR}",
+                # The buildspec is the contract (and is tested); the step runs its phases in one shell.
+                "bash container/build-image.sh",
+            ],
+            primary_output_directory=IMAGE_OUTPUT_DIR,
+            role_policy_statements=[
+                iam.PolicyStatement(actions=["ecr:GetAuthorizationToken"], resources=["*"]),
+                iam.PolicyStatement(
+                    actions=["ecr:BatchCheckLayerAvailability", "ecr:GetDownloadUrlForLayer", "ecr:BatchGetImage",
+                             "ecr:InitiateLayerUpload", "ecr:UploadLayerPart", "ecr:CompleteLayerUpload",
+                             "ecr:PutImage", "ecr:DescribeImages"],
+                    resources=[self.repository.repository_arn, self.cache_repository.repository_arn]),
+                iam.PolicyStatement(
+                    actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
+                    resources=[f"arn:{stack.partition}:ecr:{stack.region}:{dlc_account}:repository/{DLC_REPOSITORY}"]),
+                iam.PolicyStatement(actions=["kms:Decrypt", "kms:Encrypt", "kms:GenerateDataKey", "kms:DescribeKey"],
+                                    resources=[self.key.key_arn]),
+            ],
+        )
 
-    def _provider(self, log_retention: logs.RetentionDays) -> cr.Provider:
-        role = iam.Role(self, "HandlerRole", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
-                        description="Starts and polls the SemIf image build")
-        role.add_to_policy(iam.PolicyStatement(actions=["codebuild:StartBuild", "codebuild:BatchGetBuilds"],
-                                               resources=[self.project.project_arn]))
-        role.add_to_policy(iam.PolicyStatement(actions=["ecr:DescribeImages"],
-                                               resources=[self.repository.repository_arn]))
-        handler_logs = logs.LogGroup(self, "HandlerLogs", retention=log_retention,
-                                     removal_policy=RemovalPolicy.DESTROY)
-        handler_logs.grant_write(role)
-        common = dict(
-            runtime=lambda_.Runtime.PYTHON_3_14,
-            code=lambda_.Code.from_asset(str(HANDLER_DIR), exclude=["__pycache__", "*.pyc"]),
-            role=role,
-            log_group=handler_logs,
-            timeout=Duration.minutes(1),
-            memory_size=256,
-        )
-        on_event = lambda_.Function(self, "OnEvent", handler="handler.on_event",
-                                    description="Starts the SemIf image build", **common)
-        is_complete = lambda_.Function(self, "IsComplete", handler="handler.is_complete",
-                                       description="Polls the SemIf image build and reads the digest", **common)
-        provider_logs = logs.LogGroup(self, "ProviderLogs", retention=log_retention,
-                                      removal_policy=RemovalPolicy.DESTROY)
-        # Own roles instead of the framework's AWSLambdaBasicExecutionRole: logs to one group only.
-        framework_roles = []
-        for name in ("FrameworkOnEventRole", "FrameworkCompleteRole"):
-            framework_role = iam.Role(self, name, assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
-                                      description="CDK Provider framework function of the SemIf image build")
-            provider_logs.grant_write(framework_role)
-            framework_roles.append(framework_role)
-        provider = cr.Provider(
-            self,
-            "Provider",
-            on_event_handler=on_event,
-            is_complete_handler=is_complete,
-            query_interval=Duration.seconds(30),
-            total_timeout=Duration.hours(2),
-            log_group=provider_logs,
-            framework_on_event_role=framework_roles[0],
-            framework_complete_and_timeout_role=framework_roles[1],
-            disable_waiter_state_machine_logging=False,
-            waiter_state_machine_log_options=cr.LogOptions(
-                destination=logs.LogGroup(self, "WaiterLogs", retention=log_retention,
-                                          removal_policy=RemovalPolicy.DESTROY),
-                level=sfn.LogLevel.ALL,
-            ),
-        )
-        # The framework may invoke any version of the two handlers: CDK grants '<arn>:*' for that.
-        for fn in (on_event, is_complete):
-            for holder in framework_roles:
-                acknowledge_wildcard_resource(holder, f"{fn.function_arn}:*",
-                                              "CDK Provider framework invokes its handler's versions ('<arn>:*').")
-        waiter = provider.node.find_child("waiter-state-machine")
-        acknowledge_wildcard_resource(waiter, "*", "Step Functions log delivery (logs:CreateLogDelivery and "
-                                      "friends, added by CDK) supports no resource-level permissions.")
-        for child in ("framework-isComplete", "framework-onTimeout"):
-            framework_fn = provider.node.find_child(child)
-            acknowledge_wildcard_resource(waiter, f"{framework_fn.function_arn}:*",
-                                          "CDK Provider waiter state machine invokes the framework function's "
-                                          "versions ('<arn>:*').")
-        acknowledge(waiter, "AwsSolutions-SF2", "CDK Provider waiter state machine only sequences is_complete "
-                    "polls of one CodeBuild build; X-Ray tracing is not configurable and would add nothing.")
-        return provider
+
+def read_image_digests(directory: Path) -> dict[str, str]:
+    """``{variant: digest}`` from the build steps' outputs laid out as ``<directory>/<variant>/image.json``."""
+    digests = {}
+    for variant_dir in sorted(p for p in Path(directory).iterdir() if p.is_dir()):
+        detail = json.loads((variant_dir / IMAGE_OUTPUT_FILE).read_text())
+        digests[variant_dir.name] = detail["imageDigest"]
+    return digests

@@ -7,12 +7,14 @@ any of them, so "the AWS llama.cpp DLC" and "our adapter built from it" are inte
 
 from __future__ import annotations
 
+import re
 from typing import Literal, Optional, Protocol
 
 from aws_cdk import Stack, aws_ecr as ecr, aws_iam as iam
 from constructs import Construct
 
 Variant = Literal["cpu", "gpu"]
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 # The AWS Deep Learning Containers registry account differs per region (see
 # https://github.com/aws/deep-learning-containers/blob/master/available_images.md).
@@ -56,12 +58,21 @@ def dlc_registry_account(region: str) -> str:
         ) from None
 
 
-def dlc_image_uri(region: str, variant: Variant) -> str:
-    """The llama.cpp SageMaker DLC image for ``variant`` in ``region`` (by tag)."""
+def dlc_image_uri(region: str, variant: Variant, digest: Optional[str] = None) -> str:
+    """The llama.cpp SageMaker DLC image for ``variant`` in ``region``: by digest when given, else by its moving tag.
+
+    Deployments always pass the digest pinned in config: a tag moves when AWS republishes it, and nothing would
+    rebuild or redeploy on that change.
+    """
     if variant not in DLC_TAGS:
         raise ValueError(f"unknown image variant '{variant}'; expected one of {', '.join(DLC_TAGS)}")
     account = dlc_registry_account(region)
-    return f"{account}.dkr.ecr.{region}.amazonaws.com/{DLC_REPOSITORY}:{DLC_TAGS[variant]}"
+    repository = f"{account}.dkr.ecr.{region}.amazonaws.com/{DLC_REPOSITORY}"
+    if digest is None:
+        return f"{repository}:{DLC_TAGS[variant]}"
+    if not _DIGEST.match(digest):
+        raise ValueError(f"DLC digest must look like 'sha256:<64 hex>', got '{digest}'")
+    return f"{repository}@{digest}"
 
 
 class ContainerImageSource(Protocol):
@@ -84,25 +95,24 @@ class DlcImage:
     """The AWS llama.cpp DLC itself (text path). Optionally pinned by digest."""
 
     def __init__(self, *, variant: Variant, digest: Optional[str] = None) -> None:
-        if digest is not None and not digest.startswith("sha256:"):
-            raise ValueError(f"DLC digest must look like 'sha256:…', got '{digest}'")
+        if digest is not None and not _DIGEST.match(digest):
+            raise ValueError(f"DLC digest must look like 'sha256:<64 hex>', got '{digest}'")
         self.variant = variant
         self.digest = digest
 
     def bind(self, scope: Construct, grantable: iam.IGrantable) -> str:
         region = Stack.of(scope).region
-        uri = dlc_image_uri(region, self.variant)
         account = dlc_registry_account(region)
         _grant_pull(grantable, f"arn:{Stack.of(scope).partition}:ecr:{region}:{account}:repository/{DLC_REPOSITORY}")
-        if self.digest:
-            return f"{uri.rsplit(':', 1)[0]}@{self.digest}"
-        return uri
+        return dlc_image_uri(region, self.variant, self.digest)
 
 
 class BuiltImage:
-    """An image in our own ECR repository, pinned by the digest the build returned."""
+    """An image in our own ECR repository (possibly another account's, the pipeline's), pinned by digest."""
 
     def __init__(self, *, repository: ecr.IRepository, digest: str) -> None:
+        if not digest.startswith("${Token") and not _DIGEST.match(digest):
+            raise ValueError(f"image digest must look like 'sha256:<64 hex>', got '{digest}'")
         self.repository = repository
         self.digest = digest
 

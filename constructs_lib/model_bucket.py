@@ -12,6 +12,8 @@ from typing import Optional
 from aws_cdk import Duration, RemovalPolicy, aws_iam as iam, aws_kms as kms, aws_s3 as s3
 from constructs import Construct
 
+from constructs_lib.nag import checkov_skip
+
 MODELS_ROOT = "models/"
 
 
@@ -28,8 +30,12 @@ class ModelBucket(Construct):
         *,
         bucket_name: Optional[str] = None,
         noncurrent_version_expiration_days: int = 90,
-        removal_policy: RemovalPolicy = RemovalPolicy.RETAIN,
+        removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
+        auto_delete_objects: bool = False,
     ) -> None:
+        """``removal_policy``: RETAIN_ON_UPDATE_OR_DELETE (prod) keeps the data on update or delete, but a failed
+        first deploy removes the (empty) buckets on rollback, so the retry does not meet "already exists" on the
+        fixed bucket name. DESTROY with ``auto_delete_objects`` (dev, staging) lets `cdk destroy` remove models too."""
         super().__init__(scope, id_)
         self.key = kms.Key(
             self,
@@ -52,7 +58,10 @@ class ModelBucket(Construct):
                                  noncurrent_version_expiration=Duration.days(30)),
             ],
             removal_policy=removal_policy,
+            auto_delete_objects=auto_delete_objects,
         )
+        checkov_skip(self.access_log_bucket, "CKV_AWS_18", "This is the access-log destination of the model bucket; "
+                     "logging its own access would need another bucket, and that one another.")
         self.bucket = s3.Bucket(
             self,
             "Bucket",
@@ -73,6 +82,7 @@ class ModelBucket(Construct):
                 ),
             ],
             removal_policy=removal_policy,
+            auto_delete_objects=auto_delete_objects,
         )
 
     def model_s3_uri(self, model_prefix: str) -> str:

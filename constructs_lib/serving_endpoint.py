@@ -3,15 +3,19 @@
 Owns the execution role (least privilege), the Model, the EndpointConfig, the Endpoint with a
 fixed name, autoscaling, the endpoint's log group and the alarms every endpoint gets.
 Model and EndpointConfig names are left to CloudFormation: a new image digest or setting makes
-a new EndpointConfig, and CloudFormation updates the endpoint in place (blue/green by SageMaker).
+a new EndpointConfig, and CloudFormation updates the endpoint in place. The update keeps the
+variant's current instance count (RetainAllVariantProperties) and shifts traffic blue/green
+(canary when the fleet has two or more instances), rolling back on the error and latency alarms.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional
 
 import jsii
 from aws_cdk import (
+    ArnFormat,
     Duration,
     RemovalPolicy,
     Stack,
@@ -26,13 +30,21 @@ from aws_cdk import (
 )
 from constructs import Construct
 
-from constructs_lib.endpoint_alarms import EndpointAlarmThresholds, sagemaker_endpoint_alarms
+from constructs_lib.adapter_metrics import AdapterLogMetrics, adapter_log_metrics
+from constructs_lib.endpoint_alarms import EndpointAlarmThresholds, alarm_name, notify, sagemaker_endpoint_alarms
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.image_sources import ContainerImageSource
 from constructs_lib.model_bucket import grant_model_read
 from constructs_lib.nag import acknowledge_wildcard_resource
 
 VARIANT_NAME = "AllTraffic"
+# Blue/green: how long the canary (or the whole new fleet, for one-instance endpoints) serves before the rest of
+# the traffic moves, and how long the old fleet stays up for a rollback afterwards.
+CANARY_BAKE_S = 600
+TERMINATION_WAIT_S = 600
+# A GPU fleet may wait for capacity through several pools (VariantInstanceProvisionTimeoutInSeconds each).
+MAX_DEPLOYMENT_S = 3 * 3600
+ROLLBACK_ALARMS = ("server_errors", "model_latency_p95")
 
 
 def endpoint_log_group_name(endpoint_name: str) -> str:
@@ -56,8 +68,11 @@ class ServingEndpoint(Construct):
         alarm_topic: sns.ITopic,
         alarm_thresholds: EndpointAlarmThresholds,
         log_retention: logs.RetentionDays,
-        removal_policy: RemovalPolicy = RemovalPolicy.RETAIN,
+        removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
+        adapter_low_margin_threshold: Optional[float] = None,
     ) -> None:
+        """``adapter_low_margin_threshold`` marks an endpoint that runs the SemIf adapter: its JSON log lines
+        become metrics, and its 503s (queue full) are alarmed on apart from other 5xx."""
         super().__init__(scope, id_)
         stack = Stack.of(self)
         self.endpoint_name = endpoint_name
@@ -67,8 +82,23 @@ class ServingEndpoint(Construct):
         self.endpoint_arn = stack.format_arn(service="sagemaker", resource="endpoint",
                                              resource_name=endpoint_name.lower())
 
-        # SageMaker writes container stdout here; creating it first lets us own retention and filters.
-        self.log_group = logs.LogGroup(self, "Logs", log_group_name=endpoint_log_group_name(endpoint_name),
+        # SageMaker writes container stdout here; creating it before the endpoint lets us own retention and
+        # filters (SageMaker then finds it and does not create its own). With RETAIN_ON_UPDATE_OR_DELETE a failed
+        # first deploy removes it on rollback, so the retry does not meet "already exists"; DESTROY (dev) removes
+        # it with the stack, after the endpoint that writes to it.
+        log_group_name = endpoint_log_group_name(endpoint_name)
+        self.log_key = kms.Key(self, "LogKey", enable_key_rotation=True, removal_policy=removal_policy,
+                               description=f"Log encryption for endpoint {endpoint_name}")
+        # CloudWatch Logs encrypts with the key for this one log group only (encryption-context condition).
+        self.log_key.add_to_resource_policy(iam.PolicyStatement(
+            principals=[iam.ServicePrincipal(f"logs.{stack.region}.amazonaws.com")],
+            actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncryptFrom", "kms:ReEncryptTo", "kms:GenerateDataKey",
+                     "kms:DescribeKey"],
+            resources=["*"],
+            conditions={"ArnEquals": {"kms:EncryptionContext:aws:logs:arn": stack.format_arn(
+                service="logs", resource="log-group", resource_name=log_group_name,
+                arn_format=ArnFormat.COLON_RESOURCE_NAME)}}))
+        self.log_group = logs.LogGroup(self, "Logs", log_group_name=log_group_name, encryption_key=self.log_key,
                                        retention=log_retention, removal_policy=removal_policy)
 
         self.role = iam.Role(self, "ExecutionRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
@@ -96,8 +126,11 @@ class ServingEndpoint(Construct):
             self.volume_key = kms.Key(self, "VolumeKey", enable_key_rotation=True, removal_policy=removal_policy,
                                       description=f"ML storage volume encryption for endpoint {endpoint_name}")
             iam.Grant.add_to_principal(grantee=self.role, resource_arns=[self.volume_key.key_arn],
-                                       actions=["kms:CreateGrant", "kms:Decrypt", "kms:GenerateDataKey",
-                                                "kms:DescribeKey"])
+                                       actions=["kms:Decrypt", "kms:GenerateDataKey", "kms:DescribeKey"])
+            # Grants only for the AWS service attaching the volume, never for an arbitrary grantee.
+            self.role.add_to_policy(iam.PolicyStatement(
+                actions=["kms:CreateGrant"], resources=[self.volume_key.key_arn],
+                conditions={"Bool": {"kms:GrantIsForAWSResource": "true"}}))
 
         self.cfn_model = sagemaker.CfnModel(
             self,
@@ -127,6 +160,8 @@ class ServingEndpoint(Construct):
             variant_instance_provision_timeout_in_seconds=compute.provision_timeout_s,
             model_data_download_timeout_in_seconds=compute.model_download_timeout_s,
             container_startup_health_check_timeout_in_seconds=compute.startup_health_check_timeout_s,
+            # GPU hosts: an AMI whose NVIDIA driver runs the image's CUDA (SageMaker's default may not).
+            inference_ami_version=compute.inference_ami_version,
         )
         self.cfn_endpoint_config = sagemaker.CfnEndpointConfig(
             self,
@@ -134,14 +169,68 @@ class ServingEndpoint(Construct):
             production_variants=[variant],
             kms_key_id=self.volume_key.key_arn if self.volume_key else None,
         )
+        self.alarm_topic = alarm_topic
+        self.adapter_metrics: Optional[AdapterLogMetrics] = None
+        if adapter_low_margin_threshold is not None:
+            self.adapter_metrics = adapter_log_metrics(self, log_group=self.log_group, endpoint_name=endpoint_name,
+                                                       low_margin_threshold=adapter_low_margin_threshold)
+        self.alarms: dict[str, cloudwatch.Alarm] = sagemaker_endpoint_alarms(
+            self, endpoint_name=endpoint_name, variant_name=VARIANT_NAME, topic=alarm_topic,
+            thresholds=alarm_thresholds, compute=compute,
+            overload_503=self.adapter_metrics.overload_503 if self.adapter_metrics else None,
+        )
+        if self.adapter_metrics is not None:
+            self.alarms["overload_503"] = notify(cloudwatch.Alarm(
+                self, "Overload503Alarm", alarm_name=alarm_name(endpoint_name, "overload-503"),
+                metric=self.adapter_metrics.overload_503,
+                alarm_description=f"{endpoint_name}: adapter answered 503 (queue full) — add instances or raise "
+                                  "SEMIF_MAX_QUEUE",
+                threshold=alarm_thresholds.overload_503_per_5min, evaluation_periods=1,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ), alarm_topic)
+
         self.cfn_endpoint = sagemaker.CfnEndpoint(
             self,
             "Endpoint",
             endpoint_name=endpoint_name,
             endpoint_config_name=self.cfn_endpoint_config.attr_endpoint_config_name,
+            # An image, model or setting change keeps the instance count autoscaling reached (prod does not drop
+            # to min_instances under load); data capture, if ever added, follows the new config.
+            retain_all_variant_properties=True,
+            exclude_retained_variant_properties=[
+                sagemaker.CfnEndpoint.VariantPropertyProperty(variant_property_type="DataCaptureConfig")],
+            deployment_config=self._deployment_config(compute),
         )
         self.cfn_endpoint.node.add_dependency(self.log_group)
+        for name in ROLLBACK_ALARMS:
+            self.cfn_endpoint.node.add_dependency(self.alarms[name])
 
+        self.scalable_target: Optional[appscaling.ScalableTarget] = None
+        if compute.autoscaling_enabled:
+            self._autoscaling(stack, compute)
+
+    def _deployment_config(self, compute: EndpointCompute) -> sagemaker.CfnEndpoint.DeploymentConfigProperty:
+        """Blue/green with auto-rollback. A canary needs at most half the new fleet, so one-instance endpoints
+        move all at once and bake before the old fleet goes."""
+        if compute.min_instances >= 2:
+            routing = sagemaker.CfnEndpoint.TrafficRoutingConfigProperty(
+                type="CANARY", wait_interval_in_seconds=CANARY_BAKE_S,
+                canary_size=sagemaker.CfnEndpoint.CapacitySizeProperty(type="INSTANCE_COUNT", value=1))
+        else:
+            routing = sagemaker.CfnEndpoint.TrafficRoutingConfigProperty(
+                type="ALL_AT_ONCE", wait_interval_in_seconds=CANARY_BAKE_S)
+        return sagemaker.CfnEndpoint.DeploymentConfigProperty(
+            blue_green_update_policy=sagemaker.CfnEndpoint.BlueGreenUpdatePolicyProperty(
+                traffic_routing_configuration=routing, termination_wait_in_seconds=TERMINATION_WAIT_S,
+                maximum_execution_timeout_in_seconds=MAX_DEPLOYMENT_S),
+            auto_rollback_configuration=sagemaker.CfnEndpoint.AutoRollbackConfigProperty(alarms=[
+                sagemaker.CfnEndpoint.AlarmProperty(alarm_name=alarm_name(self.endpoint_name, kind))
+                for kind in ("server-errors", "latency-p95")]),
+        )
+
+    def _autoscaling(self, stack: Stack, compute: EndpointCompute) -> None:
+        endpoint_name = self.endpoint_name
         self.scalable_target = appscaling.ScalableTarget(
             self,
             "Scaling",
@@ -159,18 +248,16 @@ class ServingEndpoint(Construct):
                 mutable=False),
         )
         self.scalable_target.node.add_dependency(self.cfn_endpoint)
+        # Requests in flight (running + queued), reported every 10 s: it rises as soon as the queue does, where
+        # InvocationsPerInstance (per minute, blind to request cost) reacts after the queue already answers 503.
         self.scalable_target.scale_to_track_metric(
-            "InvocationsPerInstance",
-            target_value=compute.target_invocations_per_instance,
-            predefined_metric=appscaling.PredefinedMetric.SAGEMAKER_VARIANT_INVOCATIONS_PER_INSTANCE,
+            "ConcurrentRequests",
+            # A fixed name: the same template whether the stack is deployed by hand or by the pipeline.
+            policy_name=f"{endpoint_name}-concurrency",
+            target_value=compute.target_concurrency,
+            predefined_metric=appscaling.PredefinedMetric.SAGEMAKER_VARIANT_CONCURRENT_REQUESTS_PER_MODEL_HIGH_RESOLUTION,
             scale_in_cooldown=Duration.minutes(10),
-            scale_out_cooldown=Duration.minutes(3),
-        )
-
-        self.alarm_topic = alarm_topic
-        self.alarms: dict[str, cloudwatch.Alarm] = sagemaker_endpoint_alarms(
-            self, endpoint_name=endpoint_name, variant_name=VARIANT_NAME, topic=alarm_topic,
-            thresholds=alarm_thresholds,
+            scale_out_cooldown=Duration.minutes(2),
         )
 
     @property
@@ -184,9 +271,19 @@ class ServingEndpoint(Construct):
                                  dimensions_map={"EndpointName": self.endpoint_name, "VariantName": VARIANT_NAME})
 
     def grant_invoke(self, grantee: iam.IGrantable) -> iam.Grant:
-        """``sagemaker:InvokeEndpoint`` on this endpoint only."""
-        return iam.Grant.add_to_principal(grantee=grantee, actions=["sagemaker:InvokeEndpoint"],
-                                          resource_arns=[self.endpoint_arn])
+        """``sagemaker:InvokeEndpoint`` (and its streaming form) on this endpoint only."""
+        return iam.Grant.add_to_principal(
+            grantee=grantee, actions=["sagemaker:InvokeEndpoint", "sagemaker:InvokeEndpointWithResponseStream"],
+            resource_arns=[self.endpoint_arn])
+
+
+def target_concurrency(*, admitted_per_instance: int, fraction: float) -> float:
+    """The ConcurrentRequestsPerModel target: ``fraction`` of what one instance admits before it refuses.
+
+    Decision endpoints admit 1 running + SEMIF_MAX_QUEUE waiting requests; a 503 comes when that is full, so the
+    target sits well below it. Rounded to a tenth (the metric is an average over instances).
+    """
+    return max(1.0, math.floor(admitted_per_instance * fraction * 10) / 10)
 
 
 def _model_data(bucket_name: str, model_prefix: str) -> dict:

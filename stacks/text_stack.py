@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, Sequence
 
-from aws_cdk import Duration, Stack, aws_iam as iam, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
+from aws_cdk import Duration, RemovalPolicy, Stack, aws_iam as iam, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
 from constructs import Construct
 
 from constructs_lib.chat_endpoint import ChatEndpoint
@@ -32,6 +32,8 @@ class TextStack(Stack):
         alarm_topic: sns.ITopic,
         alarm_thresholds: EndpointAlarmThresholds,
         log_retention: logs.RetentionDays,
+        client_role_arns: Sequence[str],
+        removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
         **kwargs,
     ) -> None:
         super().__init__(scope, id_, **kwargs)
@@ -41,10 +43,13 @@ class TextStack(Stack):
             self, "Chat", endpoint_name=endpoint_name, image=DlcImage(variant=variant, digest=image_digest),
             model_bucket=model_bucket, model_key=model_key, model_prefix=model_prefix, llama_cpp=llama_cpp,
             compute=compute, alarm_topic=alarm_topic, alarm_thresholds=alarm_thresholds,
-            log_retention=log_retention,
+            log_retention=log_retention, removal_policy=removal_policy,
         )
-        # Apps assume this role to mint short-lived bearer tokens for the OpenAI-compatible route.
-        self.client_role = iam.Role(self, "ChatClientRole", assumed_by=iam.AccountPrincipal(self.account),
+        # The named app roles assume this role to mint short-lived bearer tokens for the OpenAI-compatible route.
+        if not client_role_arns:
+            raise ValueError("client_role_arns: name at least one role that may call the chat endpoint")
+        self.client_role = iam.Role(self, "ChatClientRole",
+                                    assumed_by=iam.CompositePrincipal(*(iam.ArnPrincipal(a) for a in client_role_arns)),
                                     max_session_duration=Duration.hours(1),
                                     description=f"Calls {endpoint_name} (InvokeEndpoint and bearer tokens) only")
         self.endpoint.grant_invoke(self.client_role)

@@ -30,9 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTAINER = ROOT / "container"
 DOCKERFILE = CONTAINER / "Dockerfile"
 BUILDSPEC = CONTAINER / "buildspec.yml"
+BUILD_SCRIPT = CONTAINER / "build-image.sh"
+ENTRYPOINT = CONTAINER / "image" / "entrypoint.sh"
 SERVE = Path(sys.executable).parent / "serve"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DLC_CPU = "763104351884.dkr.ecr.us-west-2.amazonaws.com/llama-cpp:server-sagemaker-cpu-v1"
+DLC_CPU = "763104351884.dkr.ecr.us-west-2.amazonaws.com/llama-cpp@sha256:" + "b" * 64
 BUILD_TOOLS = re.compile(r"\b(gcc|gcc-c\+\+|g\+\+|make|cmake|git|ninja(-build)?|cuda-nvcc\S*|\S+-devel\S*)\b")
 
 
@@ -122,8 +124,9 @@ def test_both_stages_build_from_the_dlc_named_by_the_base_image_arg(dockerfile):
     assert [(s.base, s.name) for s in stages] == [("${BASE_IMAGE}", "builder"), ("${BASE_IMAGE}", "runtime")]
 
 
-def test_the_final_stage_runs_serve_on_8080_with_the_dlc_entrypoint_cleared(final_stage):
-    assert exec_form(final_stage.all("ENTRYPOINT")[-1]) == []
+def test_the_final_stage_runs_serve_on_8080_through_the_cuda_compat_entrypoint(final_stage):
+    assert exec_form(final_stage.all("ENTRYPOINT")[-1]) == ["/opt/semif/bin/entrypoint.sh"]
+    assert "image/entrypoint.sh /opt/semif/bin/entrypoint.sh" in final_stage.all("COPY")
     assert exec_form(final_stage.all("CMD")[-1]) == ["serve"]
     assert final_stage.all("EXPOSE") == ["8080"]
     env = {}
@@ -160,6 +163,15 @@ def test_no_build_tools_are_installed_in_the_final_stage(final_stage):
     for run in installs:
         assert not BUILD_TOOLS.search(run), f"build tool in the final stage: {run}"
     assert [c for c in final_stage.all("COPY") if "--from=builder" in c] == ["--from=builder /opt/semif /opt/semif"]
+
+
+def test_compiler_jobs_come_from_the_build_script_not_a_fixed_guess(dockerfile):
+    builder = dockerfile[1][0]
+    assert "BUILD_JOBS=4" in builder.all("ARG")
+    env = {}
+    for args in builder.all("ENV"):
+        env.update(env_pairs(args))
+    assert env["CMAKE_BUILD_PARALLEL_LEVEL"] == "${BUILD_JOBS}"
 
 
 def test_the_builder_compiles_the_pinned_llama_cpp_python_from_source_with_cuda_when_asked(dockerfile):
@@ -236,15 +248,15 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_else():
                 copied.append(args.split()[0])
     sources = [p.relative_to(CONTAINER).as_posix() for p in (CONTAINER / "semif").rglob("*.py")]
 
-    assert sorted(copied) == ["pyproject.toml", "semif"]
-    for path in ["pyproject.toml", *sources]:
+    assert sorted(copied) == ["image/entrypoint.sh", "image/llama_abi_check.py", "pyproject.toml", "semif"]
+    for path in ["pyproject.toml", "image/entrypoint.sh", "image/llama_abi_check.py", *sources]:
         assert not _dockerignored(path, patterns), path
     for path in ["tests/test_x.py", ".venv/bin/python", "semif/__pycache__/app.cpython-312.pyc",
-                 "model.gguf", "buildspec.yml", "semif/x/model.gguf"]:
+                 "model.gguf", "buildspec.yml", "build-image.sh", "semif/x/model.gguf"]:
         assert _dockerignored(path, patterns), path
 
 
-# --- buildspec: its commands run with stand-ins for docker and aws ---------------------------------
+# --- buildspec and build-image.sh: their commands run with stand-ins for docker and aws --------------
 
 
 STUB = """#!/usr/bin/env bash
@@ -254,7 +266,6 @@ case "$(basename "$0") $*" in
   "docker login"*) cat > /dev/null ;;
   "aws ecr describe-images"*"--query"*) echo "sha256:$(printf 'a%.0s' {1..64})" ;;
   "aws ecr describe-images"*) [ -n "$TAG_EXISTS" ] || exit 254 ;;
-  "docker image inspect"*) echo "${BASE_IMAGE%%:*}@sha256:$(printf 'b%.0s' {1..64})" ;;
 esac
 """
 
@@ -269,6 +280,7 @@ def run_buildspec(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str], 
         (bin_dir / tool).write_text(STUB)
         (bin_dir / tool).chmod(0o755)
     shutil.copy(DOCKERFILE, tmp_path / "Dockerfile")
+    shutil.copy(BUILD_SCRIPT, tmp_path / "build-image.sh")
     lines = ["CODEBUILD_BUILD_SUCCEEDING=1"]
     for phase in ("install", "pre_build", "build", "post_build"):
         for number, command in enumerate(spec["phases"].get(phase, {}).get("commands", []), 1):
@@ -294,18 +306,24 @@ BUILD_ENV = {
 }
 
 
+def _buildx(calls: list[str]) -> list[str]:
+    (build,) = [c for c in calls if c.startswith("docker buildx build")]
+    return shlex.split(build)
+
+
 def test_buildspec_declares_its_contract_and_exports_the_digest():
     spec = yaml.safe_load(BUILDSPEC.read_text())
     header = BUILDSPEC.read_text().split("version:")[0]
 
     assert spec["version"] == 0.2
     assert {"IMAGE_DIGEST", "IMAGE_URI"} <= set(spec["env"]["exported-variables"])
-    for name in ("BASE_IMAGE", "REPOSITORY_URI", "IMAGE_TAG", "AWS_REGION", "AWS_ACCOUNT_ID", "SOURCE_REVISION"):
+    for name in ("BASE_IMAGE", "REPOSITORY_URI", "IMAGE_TAG", "AWS_REGION", "AWS_ACCOUNT_ID", "SOURCE_REVISION",
+                 "CACHE_REPOSITORY_URI", "GB_PER_BUILD_JOB"):
         assert re.search(rf"^#\s+{name}\s", header, re.M), f"{name} is not documented in the contract"
     assert spec["artifacts"]["files"] == ["image-detail.json"]
 
 
-def test_buildspec_logs_in_to_both_registries_builds_with_the_base_image_and_pushes_the_input_hash_tag(tmp_path):
+def test_buildspec_logs_in_to_both_registries_builds_from_the_pinned_base_and_pushes_the_input_hash_tag(tmp_path):
     code, calls, exports, stderr = run_buildspec(tmp_path, BUILD_ENV)
 
     assert code == 0, stderr
@@ -315,29 +333,29 @@ def test_buildspec_logs_in_to_both_registries_builds_with_the_base_image_and_pus
         "docker login --username AWS --password-stdin 763104351884.dkr.ecr.us-west-2.amazonaws.com",
     ]
     assert "aws ecr get-login-password --region us-west-2" in calls  # the DLC registry's own region
-    build = shlex.split(next(c for c in calls if c.startswith("docker build")))
-    pinned = "763104351884.dkr.ecr.us-west-2.amazonaws.com/llama-cpp@sha256:" + "b" * 64
-    assert f"BASE_IMAGE={pinned}" in build
+    build = _buildx(calls)
+    assert f"BASE_IMAGE={DLC_CPU}" in build  # exactly the digest config pinned: no pull-then-pin of a moving tag
+    assert "BASE_IMAGE_DIGEST=sha256:" + "b" * 64 in build
     assert "SOURCE_REVISION=0a6b83b" in build and "IMAGE_INPUT_HASH=inputs-3f9a1c" in build
     assert build[build.index("--tag") + 1] == "111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter:inputs-3f9a1c"
-    assert build[-1] == "."
-    pushes = [c for c in calls if c.startswith("docker push")]
-    assert pushes == ["docker push 111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter:inputs-3f9a1c"]
-    assert calls.index(pushes[0]) > calls.index(next(c for c in calls if c.startswith("docker build")))
+    assert "--push" in build and build[-1] == "."
+    assert not [c for c in calls if c.startswith(("docker pull", "docker push"))]
     digest = "sha256:" + "a" * 64
     assert exports["IMAGE_DIGEST"] == digest
     assert exports["IMAGE_URI"] == f"{BUILD_ENV['REPOSITORY_URI']}@{digest}"
     assert exports["BASE_IMAGE_DIGEST"] == "sha256:" + "b" * 64
     detail = json.loads((tmp_path / "image-detail.json").read_text())
     assert detail["imageUri"] == exports["IMAGE_URI"] and detail["sourceRevision"] == "0a6b83b"
+    assert detail["skipped"] is False
 
 
 def test_buildspec_with_an_already_pushed_tag_builds_nothing_and_still_exports_the_digest(tmp_path):
     code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "TAG_EXISTS": "1"})
 
     assert code == 0, stderr
-    assert not [c for c in calls if c.startswith(("docker build", "docker push", "docker pull"))]
+    assert not [c for c in calls if c.startswith(("docker buildx", "docker push", "docker pull"))]
     assert exports["IMAGE_DIGEST"] == "sha256:" + "a" * 64
+    assert json.loads((tmp_path / "image-detail.json").read_text())["skipped"] is True
 
 
 def test_buildspec_without_a_base_image_fails_before_touching_any_registry(tmp_path):
@@ -348,6 +366,189 @@ def test_buildspec_without_a_base_image_fails_before_touching_any_registry(tmp_p
     assert code != 0
     assert "BASE_IMAGE" in stderr
     assert calls == []
+
+
+def test_a_base_image_named_by_a_moving_tag_is_refused(tmp_path):
+    env = {**BUILD_ENV, "BASE_IMAGE": "763104351884.dkr.ecr.us-west-2.amazonaws.com/llama-cpp:server-sagemaker-cpu-v1"}
+
+    code, calls, _, stderr = run_buildspec(tmp_path, env)
+
+    assert code != 0
+    assert "must be pinned by digest" in stderr
+    assert calls == []
+
+
+def test_compiler_jobs_fit_the_build_machines_ram(tmp_path):
+    mem_gb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) // 1024 // 1024
+    cpus = os.cpu_count()
+    for gb_per_job, expected in ((1024, 1), (1, min(cpus, mem_gb))):
+        run_dir = tmp_path / str(gb_per_job)
+        run_dir.mkdir()
+        code, calls, _, stderr = run_buildspec(run_dir, {**BUILD_ENV, "GB_PER_BUILD_JOB": str(gb_per_job)})
+        assert code == 0, stderr
+        assert f"BUILD_JOBS={expected}" in _buildx(calls), (gb_per_job, expected)
+        assert json.loads((run_dir / "image-detail.json").read_text())["buildJobs"] == expected
+
+
+def test_the_registry_layer_cache_is_read_and_written_per_variant(tmp_path):
+    cache = "111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter-build-cache"
+    code, calls, _, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "CACHE_REPOSITORY_URI": cache,
+                                                       "LLAMA_CPP_VARIANT": "cuda"})
+    assert code == 0, stderr
+    build = _buildx(calls)
+    assert build[build.index("--cache-from") + 1] == f"type=registry,ref={cache}:cuda"
+    assert build[build.index("--cache-to") + 1].startswith(f"type=registry,ref={cache}:cuda,mode=max")
+    assert any(c.startswith("docker buildx create --name semif --driver docker-container") for c in calls)
+
+
+def test_the_default_tag_is_a_hash_of_the_build_inputs(tmp_path):
+    """Same inputs, same tag (so a retry finds its image); any input change, a new tag."""
+    env = {k: v for k, v in BUILD_ENV.items() if k != "IMAGE_TAG"}
+
+    def tag(run: str, **extra) -> str:
+        run_dir = tmp_path / run
+        shutil.copytree(context, run_dir)
+        code, _, exports, stderr = run_buildspec(run_dir, {**env, **extra})
+        assert code == 0, stderr
+        return exports["IMAGE_TAG"]
+
+    context = tmp_path / "context"
+    (context / "semif").mkdir(parents=True)
+    (context / "semif" / "app.py").write_text("v1")
+    first = tag("a")
+    assert re.fullmatch(r"[0-9a-f]{40}", first)
+    assert tag("b") == first
+    (context / "semif" / "__pycache__").mkdir()
+    (context / "semif" / "__pycache__" / "app.cpython-312.pyc").write_bytes(b"\0")
+    assert tag("c") == first  # bytecode is not an input
+    assert tag("d", LLAMA_CPP_VARIANT="cuda") != first
+    assert tag("e", BASE_IMAGE=DLC_CPU.replace("b" * 64, "c" * 64)) != first
+    (context / "semif" / "app.py").write_text("v2")
+    assert tag("f") != first
+
+
+# --- the llama.cpp ABI check the image build runs -------------------------------------------------
+
+
+ABI_CHECK = CONTAINER / "image" / "llama_abi_check.py"
+
+
+@pytest.fixture(scope="module")
+def installed_llama_cpp() -> dict[str, Path]:
+    """The llama.cpp this test environment compiled and installed with llama-cpp-python: what the image does."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    paths = {"bindings": site / "llama_cpp" / "llama_cpp.py", "header": site / "include" / "llama.h",
+             "include": site / "include", "library": site / "llama_cpp" / "lib" / "libllama.so"}
+    for name, path in paths.items():
+        assert path.exists(), f"{name}: {path} (install llama-cpp-python from source: make setup)"
+    return paths
+
+
+def _abi_check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ABI_CHECK), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_abi_check_passes_on_the_llama_cpp_the_bindings_were_built_with(installed_llama_cpp):
+    paths = installed_llama_cpp
+    result = _abi_check("--bindings", str(paths["bindings"]), "--header", str(paths["header"]),
+                        "--include", str(paths["include"]), "--library", str(paths["library"]), "--cc", "gcc")
+    assert result.returncode == 0, result.stderr
+    assert "exports every bound function" in result.stdout
+
+
+def _drifted_header(installed: dict[str, Path], tmp_path: Path, edit) -> Path:
+    header = tmp_path / "llama.h"
+    header.write_text(edit(installed["header"].read_text()))
+    return header
+
+
+def test_a_field_added_to_a_struct_passed_by_value_fails_the_check(installed_llama_cpp, tmp_path):
+    """The drift seen between 0.3.36's bindings and upstream llama.h: llama_context_params grew a field."""
+    header = _drifted_header(installed_llama_cpp, tmp_path, lambda text: text.replace(
+        "struct llama_context_params {", "struct llama_context_params {\n        uint32_t n_new_field;", 1))
+    result = _abi_check("--bindings", str(installed_llama_cpp["bindings"]), "--header", str(header))
+    assert result.returncode == 1
+    assert "struct llama_context_params: fields differ (header has ['n_new_field'] the bindings lack)" in result.stderr
+
+
+def test_a_same_named_field_of_another_width_fails_the_size_probe(installed_llama_cpp, tmp_path):
+    header = _drifted_header(installed_llama_cpp, tmp_path, lambda text: text.replace(
+        "uint32_t n_ctx;", "uint64_t n_ctx;", 1))
+    result = _abi_check("--bindings", str(installed_llama_cpp["bindings"]), "--header", str(header),
+                        "--include", str(installed_llama_cpp["include"]), "--cc", "gcc")
+    assert result.returncode == 1
+    assert "struct llama_context_params: C size/offsets" in result.stderr
+
+
+def test_a_renumbered_enum_and_a_removed_function_fail_the_check(installed_llama_cpp, tmp_path):
+    def drift(text: str) -> str:
+        text = re.sub(r"LLAMA_VOCAB_TYPE_BPE\s*=\s*2", "LLAMA_VOCAB_TYPE_BPE = 7", text, count=1)
+        return re.sub(r"LLAMA_API\s+void\s+llama_backend_init\s*\(\s*void\s*\)\s*;", "", text, count=1)
+
+    header = _drifted_header(installed_llama_cpp, tmp_path, drift)
+    result = _abi_check("--bindings", str(installed_llama_cpp["bindings"]), "--header", str(header))
+    assert result.returncode == 1
+    assert "enum LLAMA_VOCAB_TYPE_BPE: header 7, bindings 2" in result.stderr
+    assert "function llama_backend_init: bound, but not declared in the header" in result.stderr
+
+
+def test_a_library_missing_a_bound_symbol_fails_the_check(installed_llama_cpp, tmp_path):
+    """E.g. the DLC's libllama from another commit: here, a library that exports nothing of llama's."""
+    other = next(p for p in installed_llama_cpp["library"].parent.iterdir() if p.name.startswith("libggml-base.so"))
+    result = _abi_check("--bindings", str(installed_llama_cpp["bindings"]), "--header",
+                        str(installed_llama_cpp["header"]), "--library", str(other))
+    assert result.returncode == 1
+    assert "symbol llama_backend_init: not exported by" in result.stderr
+
+
+def test_the_image_build_gates_on_the_abi_check_and_records_the_dlcs(dockerfile):
+    builder = dockerfile[1][0]
+    runs = [r for r in builder.all("RUN") if "llama_abi_check.py" in r]
+    assert len(runs) == 1
+    gate, record = runs[0].split("&& {", 1)
+    assert '--library "${site}/llama_cpp/lib/libllama.so"' in gate and "|| true" not in gate
+    assert "/opt/llama.cpp/bin/libllama.so" in record and "DLC_ABI_REPORT.txt" in record
+    # Whether the DLC's plugin backends could be loaded by our process: the loader entry point libggml exports.
+    assert "ggml_backend_load_all_from_path" in record and "libggml-*.so" in record
+    install = next(i for i, r in enumerate(builder.all("RUN")) if "pip install --no-binary llama-cpp-python" in r)
+    assert builder.all("RUN").index(runs[0]) == install + 1  # checked before anything else is installed
+
+
+# --- the CUDA forward-compatibility entrypoint ------------------------------------------------------
+
+
+def run_entrypoint(tmp_path: Path, *, driver: str | None, compat: str | None) -> tuple[str, str]:
+    """Run the image's entrypoint with a stand-in nvidia-smi; it execs a command that prints LD_LIBRARY_PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    if driver is not None:
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho {driver}\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    compat_dir = tmp_path / "compat"
+    if compat is not None:
+        compat_dir.mkdir(exist_ok=True)
+        (compat_dir / f"libcuda.so.{compat}").write_bytes(b"")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SEMIF_CUDA_COMPAT_DIR": str(compat_dir),
+           "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"}
+    proc = subprocess.run(["sh", str(ENTRYPOINT), "sh", "-c", 'echo "$LD_LIBRARY_PATH"'], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip(), proc.stderr
+
+
+def test_entrypoint_uses_cuda_compat_only_when_the_host_driver_is_older(tmp_path):
+    path, log = run_entrypoint(tmp_path / "old", driver="535.54.03", compat="580.65.06")
+    assert path == f"{tmp_path / 'old' / 'compat'}:/usr/local/nvidia/lib64"
+    assert "535.54.03 < compat driver 580.65.06" in log
+    path, _ = run_entrypoint(tmp_path / "new", driver="580.95.05", compat="580.65.06")
+    assert path == "/usr/local/nvidia/lib64"
+
+
+def test_entrypoint_on_a_cpu_image_only_runs_the_command(tmp_path):
+    path, log = run_entrypoint(tmp_path, driver=None, compat=None)
+    assert path == "/usr/local/nvidia/lib64" and log == ""
 
 
 # --- the entrypoint, run as SageMaker runs it ----------------------------------------------------

@@ -18,6 +18,12 @@ os.environ.setdefault("JSII_SILENCE_WARNING_UNTESTED_NODE_VERSION", "1")
 os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
 
 
+# What the pipeline's image steps would hand the synth: one digest per variant.
+CPU_DIGEST = "sha256:" + "c1" * 32
+GPU_DIGEST = "sha256:" + "9d" * 32
+IMAGE_DIGESTS = {"adapter-image-cpu": CPU_DIGEST, "adapter-image-gpu": GPU_DIGEST}
+
+
 def cdk_json_context() -> dict:
     return json.loads((REPO / "cdk.json").read_text())["context"]
 

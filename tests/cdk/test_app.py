@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 from aws_cdk.assertions import Match, Template
 
-from cdk_testing import all_stacks, synth_real_app
+from cdk_testing import CPU_DIGEST, GPU_DIGEST, IMAGE_DIGESTS, all_stacks, synth_real_app
+
+CENTRAL_REPOSITORY = "333333333333.dkr.ecr.us-east-1.amazonaws.com/semif/adapter"
 
 
 def templates(assembly) -> dict[str, dict]:
@@ -43,7 +45,8 @@ def test_an_unacknowledged_finding_fails_synth(tmp_path):
     import app as semif_app
     from cdk_testing import cdk_json_context
 
-    cdk_app = semif_app.build_app(App(outdir=str(tmp_path), context={**cdk_json_context(), "env": "dev"}))
+    cdk_app = semif_app.build_app(App(outdir=str(tmp_path), context={**cdk_json_context(), "env": "dev",
+                                                                      **IMAGE_DIGESTS}))
     shared = next(c for c in cdk_app.node.children if getattr(c, "stack_name", "") == "semif-dev-shared")
     s3.Bucket(shared, "Unreviewed")
     with pytest.raises(RuntimeError, match="ValidationFailed"):
@@ -71,10 +74,30 @@ def test_unknown_env_fails_synth_with_a_clear_message(tmp_path):
     from config import ConfigError
 
     with pytest.raises(ConfigError, match="unknown environment 'qa'"):
-        synth_real_app(tmp_path, env="qa")
+        synth_real_app(tmp_path, env="qa", **IMAGE_DIGESTS)
 
 
-def test_prod_decision_endpoint_uses_gpu_pools_and_the_pinned_adapter_image(prod_assembly):
+def test_synth_without_a_promoted_image_digest_says_how_to_get_one(tmp_path):
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match="no adapter image digest for the 'gpu' variant.*-c adapter-image-gpu="):
+        synth_real_app(tmp_path, env="prod")
+
+
+def _rendered(value) -> str:
+    """An image URI as CloudFormation renders it in the aws partition (URLSuffix = amazonaws.com)."""
+    if isinstance(value, str):
+        return value
+    separator, parts = value["Fn::Join"]
+    return separator.join("amazonaws.com" if p == {"Ref": "AWS::URLSuffix"} else p for p in parts)
+
+
+def _model(template: Template) -> dict:
+    (model,) = template.find_resources("AWS::SageMaker::Model").values()
+    return model["Properties"]["PrimaryContainer"]
+
+
+def test_prod_decision_endpoint_uses_gpu_pools_and_the_promoted_adapter_image(prod_assembly):
     template = Template.from_json(templates(prod_assembly[1])["semif-prod-decision"])
     template.has_resource_properties("AWS::SageMaker::EndpointConfig", {"ProductionVariants": [Match.object_like({
         "InstancePools": [{"InstanceType": "ml.g6e.xlarge", "Priority": 1},
@@ -83,37 +106,59 @@ def test_prod_decision_endpoint_uses_gpu_pools_and_the_pinned_adapter_image(prod
                           {"InstanceType": "ml.g4dn.xlarge", "Priority": 4}],
         "VariantInstanceProvisionTimeoutInSeconds": 1800,
         "InitialInstanceCount": 2,
+        "InferenceAmiVersion": "al2023-ami-sagemaker-inference-gpu-4-1",
     })]})
-    (model,) = template.find_resources("AWS::SageMaker::Model").values()
-    image = model["Properties"]["PrimaryContainer"]["Image"]
-    (build_id,) = template.find_resources("Custom::SemIfImageBuild")
-    assert image["Fn::Join"][1][-2:] == ["@", {"Fn::GetAtt": [build_id, "ImageDigest"]}]
-    (build,) = template.find_resources("Custom::SemIfImageBuild").values()
-    assert build["Properties"]["BaseImage"].endswith("/llama-cpp:server-sagemaker-cuda-v1")
+    container = _model(template)
+    # Built once in the pipeline account; nothing is built while the stack deploys.
+    assert _rendered(container["Image"]) == f"{CENTRAL_REPOSITORY}@{GPU_DIGEST}"
+    assert container["Environment"]["SEMIF_IMAGE_DIGEST"] == GPU_DIGEST
+    assert container["Environment"]["SEMIF_REQUIRE_GPU"] == "1"
+    assert container["Environment"]["SEMIF_N_CTX"] == "8192"
+    assert not [r for r in template.to_json()["Resources"].values()
+                if r["Type"] in ("AWS::CodeBuild::Project", "AWS::Lambda::Function") or r["Type"].startswith("Custom::")]
 
 
-def test_dev_decision_endpoint_is_cpu_on_the_cpu_dlc(dev_assembly):
+def test_dev_decision_endpoint_is_cpu_sized_to_its_model(dev_assembly):
     template = Template.from_json(templates(dev_assembly[1])["semif-dev-decision"])
     template.has_resource_properties("AWS::SageMaker::EndpointConfig", {
-        "ProductionVariants": [Match.object_like({"InstanceType": "ml.c6i.8xlarge"})],
+        "ProductionVariants": [Match.object_like({"InstanceType": "ml.c6i.xlarge"})],
         "KmsKeyId": Match.any_value()})
-    (build,) = template.find_resources("Custom::SemIfImageBuild").values()
-    assert build["Properties"]["BaseImage"] == (
-        "763104351884.dkr.ecr.us-east-1.amazonaws.com/llama-cpp:server-sagemaker-cpu-v1")
+    container = _model(template)
+    assert _rendered(container["Image"]) == f"{CENTRAL_REPOSITORY}@{CPU_DIGEST}"
+    assert "SEMIF_REQUIRE_GPU" not in container["Environment"]
+    (config,) = template.find_resources("AWS::SageMaker::EndpointConfig").values()
+    assert "InferenceAmiVersion" not in config["Properties"]["ProductionVariants"][0]
 
 
-@pytest.mark.parametrize("stack_name,keys", [
-    ("semif-prod-shared", ["model-bucket/name", "model-prefix", "alarm-topic-arn"]),
-    ("semif-prod-decision", ["decision/endpoint-name", "decision/endpoint-arn", "decision/repository-uri",
-                             "decision/image-digest"]),
-    ("semif-prod-text", ["text/endpoint-name", "text/endpoint-arn", "text/client-role-arn"]),
+def test_dev_is_destroyed_with_its_stacks_and_prod_keeps_its_data(dev_assembly, prod_assembly):
+    for assembly, env, policy in ((dev_assembly, "dev", "Delete"), (prod_assembly, "prod", "RetainExceptOnCreate")):
+        for stack in ("shared", "decision", "text"):
+            template = templates(assembly[1])[f"semif-{env}-{stack}"]
+            kept = [r for r in template["Resources"].values()
+                    if r["Type"] in ("AWS::S3::Bucket", "AWS::Logs::LogGroup", "AWS::KMS::Key")]
+            assert kept, stack
+            for resource in kept:
+                assert resource.get("DeletionPolicy") == policy, (env, stack, resource["Type"])
+
+
+@pytest.mark.parametrize("stack_name,stable,changing", [
+    ("semif-prod-shared", ["model-bucket/name", "alarm-topic-arn"], ["model-prefix"]),
+    ("semif-prod-decision", ["decision/endpoint-name", "decision/endpoint-arn", "decision/repository-uri"],
+     ["decision/image-digest"]),
+    ("semif-prod-text", ["text/endpoint-name", "text/endpoint-arn", "text/client-role-arn"], []),
 ])
-def test_outputs_for_apps_are_exports_and_ssm_parameters(prod_assembly, stack_name, keys):
+def test_stable_outputs_are_exports_and_changing_ones_are_ssm_parameters_only(prod_assembly, stack_name, stable,
+                                                                               changing):
     template = Template.from_json(templates(prod_assembly[1])[stack_name])
-    for key in keys:
+    for key in stable + changing:
         template.has_resource_properties("AWS::SSM::Parameter", {"Name": f"/semif/prod/{key}", "Type": "String"})
+    for key in stable:
         export = f"semif-prod-{key.replace('/', '-')}"
         assert template.find_outputs("*", {"Export": {"Name": export}}), export
+    outputs = json.dumps(template.find_outputs("*"))
+    for key in changing:
+        # Once imported, an export can never change: the next model or image would fail the deploy.
+        assert key.replace("/", "-") not in outputs
 
 
 def test_endpoint_name_output_is_the_configured_name(prod_assembly):
@@ -122,14 +167,45 @@ def test_endpoint_name_output_is_the_configured_name(prod_assembly):
     assert value == "semif-prod-decision"
 
 
-def test_text_path_uses_the_dlc_itself_with_typed_llama_cpp_settings(prod_assembly):
+def test_text_path_uses_the_pinned_dlc_with_typed_llama_cpp_settings(prod_assembly):
+    from config import load_settings
+
+    digest = load_settings().dlc_images.gpu
     template = Template.from_json(templates(prod_assembly[1])["semif-prod-text"])
     template.has_resource_properties("AWS::SageMaker::Model", {"PrimaryContainer": Match.object_like({
-        "Image": "763104351884.dkr.ecr.us-east-1.amazonaws.com/llama-cpp:server-sagemaker-cuda-v1",
+        "Image": f"763104351884.dkr.ecr.us-east-1.amazonaws.com/llama-cpp@{digest}",
         "Environment": {"SM_LLAMA_CPP_CTX_SIZE": "8192", "SM_LLAMA_CPP_N_GPU_LAYERS": "999",
                         "SM_LLAMA_CPP_THREADS": "4", "SM_LLAMA_CPP_BATCH_SIZE": "1024",
                         "SM_LLAMA_CPP_PARALLEL": "2", "SM_LLAMA_CPP_JINJA": "true"},
     })})
+
+
+def test_prod_chat_has_two_instances_its_own_thresholds_and_scales_on_llama_server_slots(prod_assembly):
+    template = Template.from_json(templates(prod_assembly[1])["semif-prod-text"])
+    template.has_resource_properties("AWS::SageMaker::EndpointConfig", {"ProductionVariants": [Match.object_like({
+        "InitialInstanceCount": 2, "InstanceType": "ml.g6.xlarge"})]})
+    alarms = {a["Properties"]["AlarmName"]: a["Properties"]
+              for a in template.find_resources("AWS::CloudWatch::Alarm").values()}
+    assert alarms["semif-prod-chat-latency-p95"]["Threshold"] == 60000 * 1000
+    (policy,) = template.find_resources("AWS::ApplicationAutoScaling::ScalingPolicy").values()
+    assert policy["Properties"]["TargetTrackingScalingPolicyConfiguration"]["TargetValue"] == 2.0  # parallel=2
+
+
+def test_prod_decision_scales_before_its_queue_is_full(prod_assembly):
+    template = Template.from_json(templates(prod_assembly[1])["semif-prod-decision"])
+    (policy,) = template.find_resources("AWS::ApplicationAutoScaling::ScalingPolicy").values()
+    tracking = policy["Properties"]["TargetTrackingScalingPolicyConfiguration"]
+    assert tracking["PredefinedMetricSpecification"]["PredefinedMetricType"] == (
+        "SageMakerVariantConcurrentRequestsPerModelHighResolution")
+    assert tracking["TargetValue"] == 8.5  # half of 1 running + SEMIF_MAX_QUEUE=16 waiting
+
+
+def test_chat_client_role_trusts_the_named_app_roles_only(prod_assembly):
+    template = Template.from_json(templates(prod_assembly[1])["semif-prod-text"])
+    (role,) = [r["Properties"] for k, r in template.find_resources("AWS::IAM::Role").items()
+               if k.startswith("ChatClientRole")]
+    (statement,) = role["AssumeRolePolicyDocument"]["Statement"]
+    assert statement["Principal"] == {"AWS": "arn:aws:iam::222222222222:role/semif-prod-chat-app"}
 
 
 # ---- pipeline ----
@@ -144,50 +220,152 @@ def _stages(pipeline_template) -> list[dict]:
     return pipeline["Properties"]["Stages"]
 
 
-def test_pipeline_has_one_stage_per_environment_in_order(pipeline_template):
+def _actions(pipeline_template, stage_name: str) -> list[dict]:
+    (stage,) = [s for s in _stages(pipeline_template) if s["Name"] == stage_name]
+    return sorted(stage["Actions"], key=lambda a: a["RunOrder"])
+
+
+def _project(pipeline_template, action: dict) -> dict:
+    name = action["Configuration"]["ProjectName"]["Ref"]
+    return pipeline_template["Resources"][name]["Properties"]
+
+
+def _variables(pipeline_template, action: dict) -> dict[str, str]:
+    """A step's fixed environment: CDK Pipelines puts it on the step's CodeBuild project."""
+    project = _project(pipeline_template, action)
+    return {v["Name"]: v["Value"] for v in project["Environment"].get("EnvironmentVariables", [])}
+
+
+def test_pipeline_has_one_stage_per_environment_with_gpu_staging_ahead_of_prod(pipeline_template):
     names = [s["Name"] for s in _stages(pipeline_template)]
     assert names[:2] == ["Source", "Build"]
-    assert names.index("dev") < names.index("prod")
+    assert names.index("dev") < names.index("staging") < names.index("prod")
 
 
-def test_prod_needs_a_manual_approval_before_any_deploy(pipeline_template):
-    (prod,) = [s for s in _stages(pipeline_template) if s["Name"] == "prod"]
-    first = min(prod["Actions"], key=lambda a: a["RunOrder"])
-    assert first["ActionTypeId"]["Category"] == "Approval"
-    assert all(a["RunOrder"] > first["RunOrder"] for a in prod["Actions"] if a is not first)
-    (dev,) = [s for s in _stages(pipeline_template) if s["Name"] == "dev"]
-    assert not any(a["ActionTypeId"]["Category"] == "Approval" for a in dev["Actions"])
+def test_each_image_variant_is_built_once_before_synth_and_without_the_custom_resource_wall(pipeline_template):
+    build = _actions(pipeline_template, "Build")
+    images = {a["Name"]: a for a in build if a["Name"].startswith("Image-")}
+    (synth,) = [a for a in build if a["Name"] == "Synth"]
+    assert sorted(images) == ["Image-cpu", "Image-gpu"]
+    assert all(a["RunOrder"] < synth["RunOrder"] for a in images.values())
+    # The synth reads both digests from the image steps' output artifacts.
+    assert {i["Name"] for i in synth["InputArtifacts"]} >= {a["OutputArtifacts"][0]["Name"] for a in images.values()}
+    gpu = _project(pipeline_template, images["Image-gpu"])
+    assert gpu["Name"] == "semif-adapter-image-gpu"
+    assert gpu["TimeoutInMinutes"] > 60  # no CloudFormation custom resource (1 h cap) is waiting on this build
+    assert gpu["Environment"]["ComputeType"] == "BUILD_GENERAL1_2XLARGE"
+    assert gpu["Environment"]["PrivilegedMode"] is True
+    assert gpu["Cache"] == {"Type": "LOCAL", "Modes": ["LOCAL_DOCKER_LAYER_CACHE"]}
+    # A retried execution queues behind a running build of the same variant instead of starting a second one.
+    assert gpu["ConcurrentBuildLimit"] == 1
+    variables = {v["Name"]: v["Value"] for v in gpu["Environment"]["EnvironmentVariables"]}
+    from config import load_settings
+
+    assert variables["BASE_IMAGE"] == (
+        f"763104351884.dkr.ecr.us-east-1.amazonaws.com/llama-cpp@{load_settings().dlc_images.gpu}")
+    assert variables["GB_PER_BUILD_JOB"] == "4" and variables["LLAMA_CPP_VARIANT"] == "cuda"
+    assert "CACHE_REPOSITORY_URI" in variables
+    assert "bash container/build-image.sh" in gpu["Source"]["BuildSpec"]
 
 
-def test_smoke_step_reads_the_endpoint_name_from_stack_outputs_after_deploy(pipeline_template):
-    for stage in (s for s in _stages(pipeline_template) if s["Name"] in ("dev", "prod")):
-        deploys = [a for a in stage["Actions"] if a["ActionTypeId"]["Category"] == "Deploy"]
-        (smoke,) = [a for a in stage["Actions"] if a["Name"].startswith("Smoke")]
+def test_one_digest_per_variant_is_promoted_to_every_stage_of_that_variant(pipeline_assembly):
+    images = {}
+    for name, template in templates(pipeline_assembly[1]).items():
+        if name.endswith("-decision"):
+            (model,) = [r for r in template["Resources"].values() if r["Type"] == "AWS::SageMaker::Model"]
+            images[name] = _rendered(model["Properties"]["PrimaryContainer"]["Image"])
+    assert images == {"semif-dev-decision": f"{CENTRAL_REPOSITORY}@{CPU_DIGEST}",
+                      "semif-staging-decision": f"{CENTRAL_REPOSITORY}@{GPU_DIGEST}",
+                      "semif-prod-decision": f"{CENTRAL_REPOSITORY}@{GPU_DIGEST}"}
+
+
+def test_hand_and_pipeline_synths_give_the_same_environment_templates(prod_assembly, pipeline_assembly):
+    """A hand `cdk deploy -c env=prod` must not delete what the pipeline needs (the check role, say)."""
+    from test_cli_synth import comparable
+
+    hand = templates(prod_assembly[1])
+    piped = templates(pipeline_assembly[1])
+    for name in ("semif-prod-shared", "semif-prod-decision", "semif-prod-text"):
+        assert comparable(hand[name]) == comparable(piped[name]), name
+
+
+def test_prod_needs_a_manual_approval_and_a_clean_staging_bake_before_any_deploy(pipeline_template):
+    actions = _actions(pipeline_template, "prod")
+    first_deploy = min(a["RunOrder"] for a in actions if a["ActionTypeId"]["Category"] == "Deploy")
+    (approval,) = [a for a in actions if a["ActionTypeId"]["Category"] == "Approval"]
+    (bake,) = [a for a in actions if a["Name"].startswith("Bake-staging")]
+    assert approval["RunOrder"] < first_deploy and bake["RunOrder"] < first_deploy
+    spec = _project(pipeline_template, bake)["Source"]["BuildSpec"]
+    assert _project(pipeline_template, bake)["TimeoutInMinutes"] == 30 + 15
+    assert "describe-alarms --alarm-name-prefix" in spec and "--state-value ALARM" in spec
+    variables = _variables(pipeline_template, bake)
+    assert variables["BAKE_SECONDS"] == "1800"
+    assert variables["ALARM_PREFIX"] == "semif-staging-"
+    assert not any(a["ActionTypeId"]["Category"] == "Approval" for a in _actions(pipeline_template, "dev"))
+
+
+@pytest.mark.parametrize("env", ["dev", "staging", "prod"])
+def test_shared_stack_deploys_and_the_model_is_checked_before_any_endpoint(pipeline_template, env):
+    actions = _actions(pipeline_template, env)
+    order = {a["Name"]: a["RunOrder"] for a in actions}
+    (check,) = [a for a in actions if a["Name"].endswith(f"CheckModel-{env}")]
+    assert order[f"semif-{env}-shared.Deploy"] < check["RunOrder"] < order[f"semif-{env}-decision.Deploy"]
+    if f"semif-{env}-text.Deploy" in order:
+        assert order[f"semif-{env}-decision.Deploy"] < order[f"semif-{env}-text.Deploy"]
+    spec = _project(pipeline_template, check)["Source"]["BuildSpec"]
+    assert "aws s3api head-object" in spec
+    variables = _variables(pipeline_template, check)
+    assert variables["MANIFEST_KEY"].endswith("/model-manifest.json")
+    assert variables["CHECK_ROLE_ARN"].endswith(f":role/semif-{env}-pipeline-check")
+
+
+def test_smoke_step_checks_the_answers_of_both_endpoints_after_deploy(pipeline_template):
+    for stage in ("dev", "prod"):
+        actions = _actions(pipeline_template, stage)
+        deploys = [a for a in actions if a["ActionTypeId"]["Category"] == "Deploy"]
+        (smoke,) = [a for a in actions if a["Name"].startswith("Smoke")]
         assert smoke["RunOrder"] > max(a["RunOrder"] for a in deploys)
         variables = json.loads(smoke["Configuration"]["EnvironmentVariables"])
         (endpoint_var,) = [v for v in variables if v["name"] == "ENDPOINT_NAME"]
         assert endpoint_var["value"].startswith("#{")  # a CodePipeline variable from the deploy action's outputs
-        decision_deploy = [a for a in deploys if a["Configuration"]["StackName"] == f"semif-{stage['Name']}-decision"
-                           and a.get("Namespace")]
-        assert decision_deploy and endpoint_var["value"].startswith("#{" + decision_deploy[0]["Namespace"])
+        assert _variables(pipeline_template, smoke)["CHAT_ENDPOINT_NAME"] == f"semif-{stage}-chat"
+        spec = _project(pipeline_template, smoke)["Source"]["BuildSpec"]
+        assert "r['choice'] in ids" in spec and "abs(sum(p)-1)<1e-3" in spec  # the body, not just a 200
+        assert "choices'][0]['message']['content']" in spec
 
 
-def test_synth_step_runs_the_tests_and_cdk_synth(pipeline_template):
+def test_smoke_check_asserts_on_a_real_decision_body(tmp_path):
+    """The smoke step's checker, run on a good and a bad answer."""
+    import subprocess
+    import sys
+
+    from stacks.pipeline_stack import CHECK_DECISION
+
+    good = {"option_ids": ["billing", "technical", "sales"], "choice": "billing", "probabilities": [0.7, 0.2, 0.1]}
+    bad = {**good, "probabilities": [0.7, 0.7, 0.1]}
+    for body, ok in ((good, True), (bad, False), ({"error": "x"}, False)):
+        (tmp_path / "response.json").write_text(json.dumps(body))
+        result = subprocess.run([sys.executable, "-c", CHECK_DECISION], cwd=tmp_path, capture_output=True)
+        assert (result.returncode == 0) is ok, body
+
+
+def test_synth_step_runs_the_tests_and_cdk_synth_with_the_built_digests(pipeline_template):
     projects = [r["Properties"] for r in pipeline_template["Resources"].values() if r["Type"] == "AWS::CodeBuild::Project"]
     buildspecs = "\n".join(p["Source"].get("BuildSpec", "") for p in projects)
     assert "npm ci" in buildspecs
-    assert "python -m pytest tests/cdk tests/lambda" in buildspecs
-    assert "npx cdk synth -c pipeline=true" in buildspecs
+    assert "python -m pytest tests/cdk" in buildspecs
+    assert "npx cdk synth -c pipeline=true -c adapter-images-dir=adapter-images" in buildspecs
 
 
-def test_smoke_role_in_each_environment_trusts_the_pipeline_account_only(pipeline_assembly):
-    template = Template.from_json(templates(pipeline_assembly[1])["semif-prod-decision"])
-    template.has_resource_properties("AWS::IAM::Role", {
-        "RoleName": "semif-prod-smoke-test",
-        "AssumeRolePolicyDocument": {"Statement": [Match.object_like({
-            "Principal": {"AWS": {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":iam::333333333333:root"]]}}})],
-            "Version": "2012-10-17"},
-    })
+def test_every_environment_check_role_trusts_the_pipelines_named_check_role_only(pipeline_assembly):
+    for env in ("dev", "staging", "prod"):
+        template = Template.from_json(templates(pipeline_assembly[1])[f"semif-{env}-shared"])
+        template.has_resource_properties("AWS::IAM::Role", {
+            "RoleName": f"semif-{env}-pipeline-check",
+            "AssumeRolePolicyDocument": {"Statement": [Match.object_like({
+                "Principal": {"AWS": "arn:aws:iam::333333333333:role/semif-pipeline-checks"}})],
+                "Version": "2012-10-17"},
+        })
 
 
 def test_resource_counts(dev_assembly, prod_assembly, pipeline_assembly):

@@ -11,7 +11,11 @@ import re
 import shutil
 import subprocess
 
-from cdk_testing import REPO, all_stacks
+from cdk_testing import IMAGE_DIGESTS, REPO, all_stacks
+
+
+def image_context() -> list[str]:
+    return [arg for name, value in IMAGE_DIGESTS.items() for arg in ("-c", f"{name}={value}")]
 
 
 def test_pinned_cli_is_installed_from_the_lockfile():
@@ -29,7 +33,7 @@ def test_npx_cdk_synth_produces_the_same_stacks_offline(tmp_path, dev_assembly):
            "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_PROFILE": "",
            "AWS_EC2_METADATA_DISABLED": "true"}
     result = subprocess.run(
-        ["npx", "--no-install", "cdk", "synth", "-c", "env=dev", "-o", str(tmp_path), "--no-notices", "-q"],
+        ["npx", "--no-install", "cdk", "synth", "-c", "env=dev", *image_context(), "-o", str(tmp_path), "--no-notices", "-q"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     expected = {s.stack_name: s.template for s in all_stacks(dev_assembly[1])}

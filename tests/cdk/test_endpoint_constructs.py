@@ -23,10 +23,12 @@ ADAPTER = AdapterSettings(n_ctx=4096, n_batch=512, n_threads=8, n_gpu_layers=-1,
                           max_queue=8, queue_timeout_s=30, retry_after_s=1, max_options=255, max_questions=400,
                           max_body_bytes=1048576, log_level="INFO")
 THRESHOLDS = EndpointAlarmThresholds(invocation_5xx_per_5min=3, model_latency_p95_ms=4000, overload_503_per_5min=7)
+CHAT_THRESHOLDS = EndpointAlarmThresholds(invocation_5xx_per_5min=2, model_latency_p95_ms=45000)
+GPU_AMI = "al2023-ami-sagemaker-inference-gpu-4-1"
 
 
 def compute(**overrides) -> EndpointCompute:
-    values = dict(min_instances=1, max_instances=3, target_invocations_per_instance=50, model_download_timeout_s=1200,
+    values = dict(min_instances=1, max_instances=3, target_concurrency=4.5, model_download_timeout_s=1200,
                   startup_health_check_timeout_s=900)
     values.update(overrides)
     return EndpointCompute(**values)
@@ -60,7 +62,8 @@ def stacks():
     app = App()
     gpu, gpu_endpoint = decision_stack(app, "Gpu", compute_=compute(
         # Deliberately out of order: the construct emits them by priority.
-        instance_pools=[InstancePool(t, p) for t, p in reversed(GPU_POOLS)], provision_timeout_s=1800))
+        instance_pools=[InstancePool(t, p) for t, p in reversed(GPU_POOLS)], provision_timeout_s=1800,
+        min_instances=2, max_instances=4, inference_ami_version=GPU_AMI))
     cpu, cpu_endpoint = decision_stack(app, "Cpu", compute_=compute(instance_type="ml.c6i.8xlarge"),
                                        model_prefix="models/m/2/model.tar.gz")
     chat = Stack(app, "Chat", env=ENV)
@@ -70,14 +73,14 @@ def stacks():
         model_key=key, model_prefix="models/m/1/",
         llama_cpp={"ctx_size": 4096, "n_gpu_layers": 999, "threads": 4, "batch_size": 512, "parallel": 2,
                    "jinja": True, "mlock": False},
-        compute=compute(instance_type="ml.g6.xlarge"), alarm_topic=topic, alarm_thresholds=THRESHOLDS,
-        log_retention=logs.RetentionDays.ONE_MONTH,
+        compute=compute(instance_type="ml.g6.xlarge", target_concurrency=2.0, inference_ami_version=GPU_AMI),
+        alarm_topic=topic, alarm_thresholds=CHAT_THRESHOLDS, log_retention=logs.RetentionDays.ONE_MONTH,
     )
     chat_role = iam.Role(chat, "AppRole", assumed_by=iam.AccountPrincipal("123456789012"))
     chat_endpoint.grant_invoke(chat_role)
     return {
         "gpu": Template.from_stack(gpu), "cpu": Template.from_stack(cpu), "chat": Template.from_stack(chat),
-        "gpu_endpoint": gpu_endpoint, "chat_stack": chat,
+        "gpu_endpoint": gpu_endpoint, "chat_stack": chat, "cpu_endpoint": cpu_endpoint,
     }
 
 
@@ -104,9 +107,14 @@ def test_gpu_variant_uses_instance_pools_in_priority_order(stacks):
     assert production_variant["VariantInstanceProvisionTimeoutInSeconds"] == 1800
 
 
+def _keys(template: Template, purpose: str) -> dict:
+    return {k: r for k, r in template.find_resources("AWS::KMS::Key").items()
+            if r["Properties"]["Description"].startswith(purpose)}
+
+
 def test_gpu_variant_with_local_nvme_gets_no_volume_key(stacks):
     assert "KmsKeyId" not in only(stacks["gpu"], "AWS::SageMaker::EndpointConfig")["Properties"]
-    stacks["gpu"].resource_count_is("AWS::KMS::Key", 0)
+    assert _keys(stacks["gpu"], "ML storage volume encryption") == {}
 
 
 def test_cpu_variant_uses_fixed_instance_type_and_a_volume_key(stacks):
@@ -114,7 +122,8 @@ def test_cpu_variant_uses_fixed_instance_type_and_a_volume_key(stacks):
     assert production_variant["InstanceType"] == "ml.c6i.8xlarge"
     assert "InstancePools" not in production_variant
     assert "VariantInstanceProvisionTimeoutInSeconds" not in production_variant
-    (key_id,) = stacks["cpu"].find_resources("AWS::KMS::Key", {"Properties": {"EnableKeyRotation": True}})
+    (key_id,) = _keys(stacks["cpu"], "ML storage volume encryption")
+    assert stacks["cpu"].find_resources("AWS::KMS::Key")[key_id]["Properties"]["EnableKeyRotation"] is True
     config = only(stacks["cpu"], "AWS::SageMaker::EndpointConfig")["Properties"]
     assert config["KmsKeyId"] == {"Fn::GetAtt": [key_id, "Arn"]}
 
@@ -123,7 +132,7 @@ def test_variant_has_download_and_startup_timeouts_and_min_instances(stacks):
     production_variant = variant(stacks["gpu"])
     assert production_variant["ModelDataDownloadTimeoutInSeconds"] == 1200
     assert production_variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 900
-    assert production_variant["InitialInstanceCount"] == 1
+    assert production_variant["InitialInstanceCount"] == 2
     assert production_variant["VariantName"] == "AllTraffic"
 
 
@@ -156,9 +165,46 @@ def test_model_accepts_tar_gz_model_data(stacks):
 
 def test_model_carries_the_adapter_environment(stacks):
     environment = only(stacks["gpu"], "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]["Environment"]
-    assert {k: v for k, v in environment.items() if k != "SEMIF_IMAGE_DIGEST"} == ADAPTER.to_environment()
+    assert {k: v for k, v in environment.items()
+            if k not in ("SEMIF_IMAGE_DIGEST", "SEMIF_REQUIRE_GPU")} == ADAPTER.to_environment()
     assert environment["SEMIF_PREFIX_CACHE"] == "1"
     assert environment["SEMIF_MAX_QUEUE"] == "8"
+
+
+def test_gpu_instances_make_the_adapter_refuse_to_serve_without_a_gpu(stacks):
+    gpu = only(stacks["gpu"], "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]["Environment"]
+    cpu = only(stacks["cpu"], "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]["Environment"]
+    assert gpu["SEMIF_REQUIRE_GPU"] == "1"
+    assert "SEMIF_REQUIRE_GPU" not in cpu
+
+
+def test_gpu_variants_pin_a_host_ami_whose_driver_runs_cuda_13(stacks):
+    assert variant(stacks["gpu"])["InferenceAmiVersion"] == GPU_AMI
+    assert variant(stacks["chat"])["InferenceAmiVersion"] == GPU_AMI
+    assert "InferenceAmiVersion" not in variant(stacks["cpu"])
+
+
+def test_updates_keep_the_instance_count_and_shift_traffic_blue_green_with_rollback_on_alarms(stacks):
+    endpoint = only(stacks["gpu"], "AWS::SageMaker::Endpoint")
+    properties = endpoint["Properties"]
+    assert properties["RetainAllVariantProperties"] is True
+    assert properties["ExcludeRetainedVariantProperties"] == [{"VariantPropertyType": "DataCaptureConfig"}]
+    policy = properties["DeploymentConfig"]["BlueGreenUpdatePolicy"]
+    assert policy["TrafficRoutingConfiguration"] == {
+        "Type": "CANARY", "CanarySize": {"Type": "INSTANCE_COUNT", "Value": 1}, "WaitIntervalInSeconds": 600}
+    assert policy["TerminationWaitInSeconds"] == 600
+    rollback = [a["AlarmName"] for a in properties["DeploymentConfig"]["AutoRollbackConfiguration"]["Alarms"]]
+    assert rollback == ["gpu-decision-server-errors", "gpu-decision-latency-p95"]
+    names = {a["Properties"]["AlarmName"]: k for k, a in stacks["gpu"].find_resources("AWS::CloudWatch::Alarm").items()}
+    for name in rollback:
+        assert names[name] in endpoint["DependsOn"]  # the alarms exist before the endpoint names them
+
+
+def test_a_one_instance_endpoint_moves_all_at_once_and_bakes_before_the_old_fleet_goes(stacks):
+    properties = only(stacks["cpu"], "AWS::SageMaker::Endpoint")["Properties"]
+    routing = properties["DeploymentConfig"]["BlueGreenUpdatePolicy"]["TrafficRoutingConfiguration"]
+    assert routing == {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": 600}
+    assert properties["DeploymentConfig"]["AutoRollbackConfiguration"]["Alarms"]
 
 
 def test_endpoint_has_a_fixed_name_and_model_and_config_names_are_left_to_cloudformation(stacks):
@@ -176,16 +222,34 @@ def test_model_waits_for_its_role_policy(stacks):
     assert policy_id in model["DependsOn"]
 
 
-def test_autoscaling_tracks_invocations_per_instance(stacks):
+def test_autoscaling_tracks_concurrent_requests_with_the_high_resolution_metric(stacks):
     target = only(stacks["gpu"], "AWS::ApplicationAutoScaling::ScalableTarget")["Properties"]
     assert target["ResourceId"] == "endpoint/gpu-decision/variant/AllTraffic"
     assert target["ScalableDimension"] == "sagemaker:variant:DesiredInstanceCount"
-    assert (target["MinCapacity"], target["MaxCapacity"]) == (1, 3)
+    assert (target["MinCapacity"], target["MaxCapacity"]) == (2, 4)
     assert "AWSServiceRoleForApplicationAutoScaling_SageMakerEndpoint" in json.dumps(target["RoleARN"])
     policy = only(stacks["gpu"], "AWS::ApplicationAutoScaling::ScalingPolicy")["Properties"]
     tracking = policy["TargetTrackingScalingPolicyConfiguration"]
-    assert tracking["PredefinedMetricSpecification"]["PredefinedMetricType"] == "SageMakerVariantInvocationsPerInstance"
-    assert tracking["TargetValue"] == 50
+    assert tracking["PredefinedMetricSpecification"]["PredefinedMetricType"] == (
+        "SageMakerVariantConcurrentRequestsPerModelHighResolution")
+    assert tracking["TargetValue"] == 4.5
+
+
+def test_the_concurrency_target_is_a_share_of_what_one_instance_admits():
+    from constructs_lib.serving_endpoint import target_concurrency
+
+    # 1 running + 16 queued admitted; scale out at half of that, long before the 17th request gets a 503.
+    assert target_concurrency(admitted_per_instance=17, fraction=0.5) == 8.5
+    assert target_concurrency(admitted_per_instance=2, fraction=1.0) == 2.0
+    assert target_concurrency(admitted_per_instance=1, fraction=0.25) == 1.0
+
+
+def test_with_autoscaling_disabled_no_scalable_target_is_registered():
+    app = App()
+    stack, _ = decision_stack(app, "Fixed", compute_=compute(instance_type="ml.c6i.xlarge", autoscaling_enabled=False))
+    template = Template.from_stack(stack)
+    template.resource_count_is("AWS::ApplicationAutoScaling::ScalableTarget", 0)
+    template.resource_count_is("AWS::ApplicationAutoScaling::ScalingPolicy", 0)
 
 
 def test_log_group_is_the_endpoints_own_with_retention(stacks):
@@ -231,24 +295,62 @@ def _alarm(template: Template, metric_name: str) -> dict:
     return alarms[0]
 
 
+def _named(template: Template, name: str) -> dict:
+    (alarm,) = [a["Properties"] for a in template.find_resources("AWS::CloudWatch::Alarm").values()
+                if a["Properties"]["AlarmName"] == name]
+    return alarm
+
+
 def test_alarms_notify_the_topic_on_alarm_and_ok(stacks):
     template = stacks["gpu"]
     (topic_id,) = template.find_resources("AWS::SNS::Topic")
     overload = _alarm(template, "Overload503")
     assert overload["Namespace"] == "SemIf/gpu-decision"
     assert (overload["Statistic"], overload["Threshold"], overload["Period"]) == ("Sum", 7, 300)
-    errors = _alarm(template, "Invocation5XXErrors")
-    assert errors["Namespace"] == "AWS/SageMaker"
-    assert {d["Name"]: d["Value"] for d in errors["Dimensions"]} == {"EndpointName": "gpu-decision",
-                                                                     "VariantName": "AllTraffic"}
-    assert errors["Threshold"] == 3
     latency = _alarm(template, "ModelLatency")
     assert latency["ExtendedStatistic"] == "p95"
     assert latency["Threshold"] == 4000 * 1000  # ModelLatency is in microseconds
-    for alarm in (overload, errors, latency):
-        assert alarm["AlarmActions"] == [{"Ref": topic_id}]
-        assert alarm["OKActions"] == [{"Ref": topic_id}]
-        assert alarm["TreatMissingData"] == "notBreaching"
+    for alarm in template.find_resources("AWS::CloudWatch::Alarm").values():
+        assert alarm["Properties"]["AlarmActions"] == [{"Ref": topic_id}]
+        assert alarm["Properties"]["OKActions"] == [{"Ref": topic_id}]
+        assert alarm["Properties"]["AlarmName"].startswith("gpu-decision-")
+
+
+def test_the_server_error_alarm_leaves_out_the_adapters_designed_in_503s(stacks):
+    errors = _named(stacks["gpu"], "gpu-decision-server-errors")
+    assert errors["Threshold"] == 3
+    (expression,) = [m for m in errors["Metrics"] if "Expression" in m]
+    assert expression["Expression"] == "FILL(errors, 0) - FILL(overload, 0)"
+    by_id = {m["Id"]: m["MetricStat"]["Metric"] for m in errors["Metrics"] if "MetricStat" in m}
+    assert by_id["errors"]["MetricName"] == "Invocation5XXErrors"
+    assert {d["Name"]: d["Value"] for d in by_id["errors"]["Dimensions"]} == {"EndpointName": "gpu-decision",
+                                                                              "VariantName": "AllTraffic"}
+    assert (by_id["overload"]["Namespace"], by_id["overload"]["MetricName"]) == ("SemIf/gpu-decision", "Overload503")
+    assert errors["TreatMissingData"] == "notBreaching"
+
+
+def test_instance_alarms_cover_cpu_memory_gpu_and_disk_and_a_dead_endpoint_is_not_quiet(stacks):
+    template = stacks["gpu"]
+    cpu = _named(template, "gpu-decision-cpu-utilization")
+    assert (cpu["Namespace"], cpu["MetricName"]) == ("/aws/sagemaker/Endpoints", "CPUUtilization")
+    assert cpu["Threshold"] == 90 * 4  # % x vCPUs of an xlarge
+    for kind in ("cpu-utilization", "memory-utilization", "gpu-utilization", "gpu-memory-utilization"):
+        # An endpoint with no healthy instance reports nothing: that is an alarm, not a quiet night.
+        assert _named(template, f"gpu-decision-{kind}")["TreatMissingData"] == "breaching", kind
+    assert _named(template, "gpu-decision-gpu-utilization")["MetricName"] == "GPUUtilization"
+    assert _named(template, "gpu-decision-gpu-memory-utilization")["MetricName"] == "GPUMemoryUtilization"
+    assert _named(template, "gpu-decision-disk-utilization")["MetricName"] == "DiskUtilization"
+    cpu_names = {a["Properties"]["AlarmName"] for a in stacks["cpu"].find_resources("AWS::CloudWatch::Alarm").values()}
+    assert "cpu-decision-gpu-utilization" not in cpu_names and "cpu-decision-cpu-utilization" in cpu_names
+
+
+def test_scaling_stuck_at_max_instances_alarms(stacks):
+    stuck = _named(stacks["gpu"], "gpu-decision-scaling-at-max")
+    assert stuck["Threshold"] == 4 and stuck["EvaluationPeriods"] == 6
+    (expression,) = [m for m in stuck["Metrics"] if "Expression" in m]
+    assert expression["Expression"] == "samples / 5"
+    (samples,) = [m["MetricStat"] for m in stuck["Metrics"] if "MetricStat" in m]
+    assert (samples["Metric"]["MetricName"], samples["Stat"]) == ("CPUUtilization", "SampleCount")
 
 
 def test_dashboard_separates_failure_classes_from_latency_and_invocations(stacks):
@@ -295,17 +397,18 @@ def test_execution_role_names_every_resource_it_can_name(stacks):
     assert metrics["Condition"] == {"StringEquals": {"cloudwatch:namespace": "/aws/sagemaker/Endpoints"}}
 
 
-def test_grant_invoke_allows_invoke_endpoint_on_this_endpoint_only(stacks):
+def test_grant_invoke_allows_invoke_endpoint_and_streaming_on_this_endpoint_only(stacks):
     (statement,) = _statements(stacks["gpu"], "AppRole")
-    assert statement["Action"] == "sagemaker:InvokeEndpoint"
+    assert statement["Action"] == ["sagemaker:InvokeEndpoint", "sagemaker:InvokeEndpointWithResponseStream"]
     assert statement["Resource"] == {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"},
                                                         ":sagemaker:us-east-1:123456789012:endpoint/gpu-decision"]]}
 
 
 def test_chat_grant_invoke_adds_bearer_tokens_for_the_openai_route(stacks):
     statements = _statements(stacks["chat"], "AppRole")
-    by_action = {s["Action"]: s["Resource"] for s in statements}
-    assert set(by_action) == {"sagemaker:InvokeEndpoint", "sagemaker:CallWithBearerToken"}
+    by_action = {a: s["Resource"] for s in statements for a in _as_list(s["Action"])}
+    assert set(by_action) == {"sagemaker:InvokeEndpoint", "sagemaker:InvokeEndpointWithResponseStream",
+                              "sagemaker:CallWithBearerToken"}
     assert "endpoint/chat-endpoint" in json.dumps(by_action["sagemaker:InvokeEndpoint"])
     # SageMaker accepts no resource ARN for CallWithBearerToken; InvokeEndpoint bounds the endpoint.
     assert by_action["sagemaker:CallWithBearerToken"] == "*"
@@ -323,9 +426,39 @@ def test_chat_endpoint_runs_the_dlc_image_with_llama_cpp_environment(stacks):
     assert "763104351884:repository/llama-cpp" in json.dumps(pull)
 
 
-def test_chat_endpoint_has_no_adapter_metrics(stacks):
+def test_chat_endpoint_has_no_adapter_metrics_and_its_own_thresholds(stacks):
     stacks["chat"].resource_count_is("AWS::Logs::MetricFilter", 0)
-    assert len(stacks["chat"].find_resources("AWS::CloudWatch::Alarm")) == 2
+    latency = _named(stacks["chat"], "chat-endpoint-latency-p95")
+    assert latency["Threshold"] == 45000 * 1000  # generation takes longer than a decision
+    errors = _named(stacks["chat"], "chat-endpoint-server-errors")
+    assert (errors["MetricName"], errors["Threshold"]) == ("Invocation5XXErrors", 2)
+    assert not [a for a in stacks["chat"].find_resources("AWS::CloudWatch::Alarm").values()
+                if "overload" in a["Properties"]["AlarmName"]]
+
+
+def test_volume_key_grants_are_only_for_aws_resources(stacks):
+    (grant,) = [s for s in _statements(stacks["cpu"], "DecisionExecutionRole")
+                if "kms:CreateGrant" in _as_list(s["Action"])]
+    assert _as_list(grant["Action"]) == ["kms:CreateGrant"]
+    assert grant["Condition"] == {"Bool": {"kms:GrantIsForAWSResource": "true"}}
+
+
+def test_endpoint_resources_are_kept_on_update_and_delete_but_not_after_a_failed_create(stacks):
+    (log_group,) = stacks["cpu"].find_resources("AWS::Logs::LogGroup").values()
+    assert log_group["DeletionPolicy"] == "RetainExceptOnCreate"
+    keys = stacks["cpu"].find_resources("AWS::KMS::Key").values()
+    assert len(keys) == 2 and all(k["DeletionPolicy"] == "RetainExceptOnCreate" for k in keys)
+
+
+def test_endpoint_logs_are_encrypted_with_a_key_cloudwatch_logs_may_use_for_that_log_group_only(stacks):
+    (log_group,) = stacks["gpu"].find_resources("AWS::Logs::LogGroup").values()
+    (key_id,) = _keys(stacks["gpu"], "Log encryption")
+    assert log_group["Properties"]["KmsKeyId"] == {"Fn::GetAtt": [key_id, "Arn"]}
+    statements = stacks["gpu"].find_resources("AWS::KMS::Key")[key_id]["Properties"]["KeyPolicy"]["Statement"]
+    (logs_statement,) = [s for s in statements if s.get("Principal", {}).get("Service") == "logs.us-east-1.amazonaws.com"]
+    condition = json.dumps(logs_statement["Condition"])
+    assert "kms:EncryptionContext:aws:logs:arn" in condition
+    assert "log-group:/aws/sagemaker/Endpoints/gpu-decision" in condition
 
 
 def test_decision_endpoint_exposes_its_parts(stacks):

@@ -1,47 +1,43 @@
-"""Model bucket, alarm topic and image build constructs, asserted on a purpose-built small app."""
+"""Model bucket, alarm topic and the central image repository, asserted on purpose-built small apps."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from aws_cdk import App, Environment, Stack, aws_logs as logs
+from aws_cdk import App, Environment, RemovalPolicy, Stack
 from aws_cdk.assertions import Match, Template
 
-from constructs_lib.image_build import ImageBuild, image_input_hash
+from constructs_lib.image_build import AdapterImageRepository, read_image_digests
 from stacks.shared_stack import SharedStack
 
 ENV = Environment(account="123456789012", region="us-east-1")
-BASE_IMAGE = "763104351884.dkr.ecr.us-east-1.amazonaws.com/llama-cpp:server-sagemaker-cuda-v1"
+CHECK_PRINCIPAL = "arn:aws:iam::333333333333:role/semif-pipeline-checks"
 
 
-@pytest.fixture(scope="module")
-def context_dir(tmp_path_factory):
-    context = tmp_path_factory.mktemp("container")
-    (context / "Dockerfile").write_text("ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nCOPY semif /opt/semif\n")
-    (context / "buildspec.yml").write_text("version: 0.2\n")
-    (context / "semif").mkdir()
-    (context / "semif" / "app.py").write_text("print('adapter')\n")
-    return context
-
-
-def build_stack(context_dir, *, base_image=BASE_IMAGE) -> tuple[Stack, ImageBuild]:
-    stack = Stack(App(), "Build", env=ENV)
-    build = ImageBuild(stack, "AdapterImage", context_dir=context_dir, base_image=base_image, keep_last_images=12,
-                       log_retention=logs.RetentionDays.TWO_WEEKS)
-    return stack, build
-
-
-@pytest.fixture(scope="module")
-def build(context_dir):
-    stack, image_build = build_stack(context_dir)
-    return Template.from_stack(stack), image_build
+def shared_stack(removal_policy=RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE, **overrides) -> Template:
+    values = dict(env_name="test", model_bucket_name="semif-test-models", model_prefix="models/m/1/",
+                  alarm_email="ops@example.com", removal_policy=removal_policy,
+                  pipeline_check_principal_arn=CHECK_PRINCIPAL, endpoint_names=("semif-test-decision",))
+    values.update(overrides)
+    return Template.from_stack(SharedStack(App(), "Shared", env=ENV, **values))
 
 
 @pytest.fixture(scope="module")
 def shared():
-    stack = SharedStack(App(), "Shared", env=ENV, env_name="test", model_bucket_name="semif-test-models",
-                        model_prefix="models/m/1/", alarm_email="ops@example.com")
+    return shared_stack()
+
+
+@pytest.fixture(scope="module")
+def shared_dev():
+    return shared_stack(RemovalPolicy.DESTROY)
+
+
+@pytest.fixture(scope="module")
+def images():
+    stack = Stack(App(), "Images", env=Environment(account="333333333333", region="us-east-1"))
+    AdapterImageRepository(stack, "AdapterImages", keep_last_images=12,
+                           pull_accounts=["111111111111", "222222222222", "333333333333"])
     return Template.from_stack(stack)
 
 
@@ -78,119 +74,80 @@ def test_every_bucket_refuses_plain_http(shared):
                    for s in statements)
 
 
-def test_alarm_topic_is_kms_encrypted_and_cloudwatch_may_use_the_key(shared):
+def test_alarm_topic_is_kms_encrypted_and_only_this_accounts_cloudwatch_may_use_the_key(shared):
     (topic,) = shared.find_resources("AWS::SNS::Topic").values()
+    assert topic["Properties"]["TopicName"] == "semif-test-alarms"
     (key_id,) = shared.find_resources("AWS::KMS::Key", {"Properties": {"Description": "SemIf alarm topic encryption"}})
     assert topic["Properties"]["KmsMasterKeyId"] == {"Fn::GetAtt": [key_id, "Arn"]}
-    key_policy = json.dumps(shared.find_resources("AWS::KMS::Key")[key_id]["Properties"]["KeyPolicy"])
-    assert "cloudwatch.amazonaws.com" in key_policy
+    statements = shared.find_resources("AWS::KMS::Key")[key_id]["Properties"]["KeyPolicy"]["Statement"]
+    (cloudwatch,) = [s for s in statements if s.get("Principal", {}).get("Service") == "cloudwatch.amazonaws.com"]
+    assert cloudwatch["Condition"] == {"StringEquals": {"aws:SourceAccount": "123456789012"}}
+    assert sorted(cloudwatch["Action"]) == ["kms:Decrypt", "kms:GenerateDataKey"]
     shared.has_resource_properties("AWS::SNS::Subscription", {"Protocol": "email", "Endpoint": "ops@example.com"})
 
 
-def test_shared_outputs_are_exported_and_in_ssm(shared):
+def test_stable_shared_outputs_are_exported_and_the_model_prefix_is_in_ssm_only(shared):
     for key, export in [("model-bucket/name", "semif-test-model-bucket-name"),
-                        ("model-prefix", "semif-test-model-prefix"),
                         ("alarm-topic-arn", "semif-test-alarm-topic-arn")]:
         shared.has_resource_properties("AWS::SSM::Parameter", {"Name": f"/semif/test/{key}"})
         assert shared.find_outputs("*", {"Export": {"Name": export}}), export
+    shared.has_resource_properties("AWS::SSM::Parameter", {"Name": "/semif/test/model-prefix"})
+    # An export changes with every model; once imported, CloudFormation would refuse the next model.
+    assert not [o for o in shared.find_outputs("*").values() if "model-prefix" in json.dumps(o)]
 
 
-def test_repository_scans_on_push_keeps_tags_immutable_and_expires_old_images(build):
-    template, _ = build
-    template.has_resource_properties("AWS::ECR::Repository", {
-        "ImageScanningConfiguration": {"ScanOnPush": True},
-        "ImageTagMutability": "IMMUTABLE",
-        "EncryptionConfiguration": {"EncryptionType": "KMS", "KmsKey": Match.any_value()},
-    })
-    (repository,) = template.find_resources("AWS::ECR::Repository").values()
-    policy = json.loads(repository["Properties"]["LifecyclePolicy"]["LifecyclePolicyText"])
-    assert policy["rules"][0]["selection"] == {"tagStatus": "any", "countType": "imageCountMoreThan", "countNumber": 12}
+def test_prod_buckets_and_keys_are_kept_on_update_and_delete_but_not_after_a_failed_create(shared):
+    for type_ in ("AWS::S3::Bucket", "AWS::KMS::Key"):
+        for resource in shared.find_resources(type_).values():
+            assert resource["DeletionPolicy"] == "RetainExceptOnCreate", type_
+            assert resource["UpdateReplacePolicy"] == "Retain", type_
+    shared.resource_count_is("Custom::S3AutoDeleteObjects", 0)
 
 
-def test_codebuild_builds_privileged_encrypted_with_logs_and_the_build_inputs(build):
-    template, image_build = build
-    (project,) = template.find_resources("AWS::CodeBuild::Project").values()
-    properties = project["Properties"]
-    assert properties["Environment"]["PrivilegedMode"] is True
-    assert "EncryptionKey" in properties
-    variables = {v["Name"]: v["Value"] for v in properties["Environment"]["EnvironmentVariables"]}
-    assert variables["BASE_IMAGE"] == BASE_IMAGE
-    assert variables["IMAGE_TAG"] == image_build.image_tag
-    assert "REPOSITORY_URI" in variables
-    assert properties["Source"]["Type"] == "S3"
-    (log_group_id,) = [k for k in template.find_resources("AWS::Logs::LogGroup") if k.startswith("AdapterImageBuildLogs")]
-    assert properties["LogsConfig"]["CloudWatchLogs"]["GroupName"] == {"Ref": log_group_id}
-    template.has_resource_properties("AWS::Logs::LogGroup", {"RetentionInDays": 14})
+def test_dev_buckets_are_destroyed_with_their_objects(shared_dev):
+    for resource in shared_dev.find_resources("AWS::S3::Bucket").values():
+        assert resource["DeletionPolicy"] == "Delete"
+    # Versioned buckets with models in them cannot be deleted empty-handed: CDK's auto-delete empties them first.
+    shared_dev.resource_count_is("Custom::S3AutoDeleteObjects", 2)
 
 
-def test_custom_resource_carries_the_input_hash_and_returns_the_digest(build):
-    template, image_build = build
-    (resource,) = template.find_resources("Custom::SemIfImageBuild").values()
-    properties = resource["Properties"]
-    assert properties["ImageTag"] == image_build.image_tag == image_input_hash(
-        image_build.context_asset.asset_hash, BASE_IMAGE)
-    assert properties["BaseImage"] == BASE_IMAGE
-    assert properties["SourceLocation"].endswith(".zip")
-    assert image_build.image_digest  # a token for Fn::GetAtt ImageDigest
-    assert "ImageDigest" in json.dumps(Stack.of(image_build).resolve(image_build.image_digest))
+def test_pipeline_check_role_trusts_one_named_pipeline_role_and_reads_only_the_manifest(shared):
+    (role,) = [r["Properties"] for r in shared.find_resources("AWS::IAM::Role").values()
+               if r["Properties"].get("RoleName") == "semif-test-pipeline-check"]
+    (trust,) = role["AssumeRolePolicyDocument"]["Statement"]
+    assert trust["Principal"] == {"AWS": CHECK_PRINCIPAL}
+    policy = json.dumps([p for k, p in shared.find_resources("AWS::IAM::Policy").items()
+                         if k.startswith("PipelineCheckRole")])
+    assert "models/m/1/model-manifest.json" in policy and "models/m/1/*" not in policy
+    assert "endpoint/semif-test-decision" in policy
+    assert "alarm:semif-test-decision-*" in policy
 
 
-def test_handlers_run_python_3_14(build):
-    template, _ = build
-    handlers = [f["Properties"] for f in template.find_resources("AWS::Lambda::Function").values()
-                if f["Properties"].get("Handler", "").startswith("handler.")]
-    assert sorted(h["Handler"] for h in handlers) == ["handler.is_complete", "handler.on_event"]
-    assert {h["Runtime"] for h in handlers} == {"python3.14"}
+def test_central_repository_keeps_immutable_scanned_encrypted_images_and_lets_environment_accounts_pull(images):
+    repositories = images.find_resources("AWS::ECR::Repository")
+    (image_repo,) = [r["Properties"] for r in repositories.values() if r["Properties"]["RepositoryName"] == "semif/adapter"]
+    assert image_repo["ImageTagMutability"] == "IMMUTABLE"
+    assert image_repo["ImageScanningConfiguration"] == {"ScanOnPush": True}
+    assert image_repo["EncryptionConfiguration"]["EncryptionType"] == "KMS"
+    lifecycle = json.loads(image_repo["LifecyclePolicy"]["LifecyclePolicyText"])
+    assert lifecycle["rules"][0]["selection"]["countNumber"] == 12
+    (statement,) = image_repo["RepositoryPolicyText"]["Statement"]
+    principals = json.dumps(statement["Principal"])
+    assert "111111111111" in principals and "222222222222" in principals and "333333333333" not in principals
+    assert sorted(statement["Action"]) == ["ecr:BatchCheckLayerAvailability", "ecr:BatchGetImage",
+                                          "ecr:GetDownloadUrlForLayer"]
+    (cache_repo,) = [r["Properties"] for r in repositories.values()
+                     if r["Properties"]["RepositoryName"] == "semif/adapter-build-cache"]
+    assert cache_repo["ImageTagMutability"] == "MUTABLE"  # BuildKit rewrites one cache tag per variant
 
 
-def test_build_roles_name_their_resources(build):
-    template, _ = build
-    for logical_id, policy in template.find_resources("AWS::IAM::Policy").items():
-        if not logical_id.startswith(("AdapterImageProjectRole", "AdapterImageHandlerRole")):
-            continue
-        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
-            actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
-            if statement["Resource"] == "*":
-                assert actions == ["ecr:GetAuthorizationToken"] or actions == "ecr:GetAuthorizationToken"
-            assert not any(a.endswith("*") for a in actions), actions
-    handler_policy = json.dumps([p for k, p in template.find_resources("AWS::IAM::Policy").items()
-                                 if k.startswith("AdapterImageHandlerRole")])
-    assert "codebuild:StartBuild" in handler_policy and "ecr:DescribeImages" in handler_policy
+def test_image_repository_outlives_the_pipeline_stack(images):
+    for resource in images.find_resources("AWS::ECR::Repository", {"Properties": {"RepositoryName": "semif/adapter"}}).values():
+        assert resource["DeletionPolicy"] == "Retain"
 
 
-def test_without_dockerignore_tests_and_caches_are_not_build_inputs(context_dir, build):
-    _, first = build
-    _, other_base = build_stack(context_dir, base_image=BASE_IMAGE.replace("cuda", "cpu"))
-    assert other_base.image_tag != first.image_tag
-    (context_dir / "tests").mkdir(exist_ok=True)
-    (context_dir / "tests" / "test_new.py").write_text("def test_x(): pass\n")
-    (context_dir / "semif" / "__pycache__").mkdir(exist_ok=True)
-    (context_dir / "semif" / "__pycache__" / "app.cpython-311.pyc").write_bytes(b"\0")
-    _, with_tests = build_stack(context_dir)
-    assert with_tests.image_tag == first.image_tag
-    (context_dir / "Dockerfile").write_text("ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nCOPY semif /srv/semif\n")
-    _, changed = build_stack(context_dir)
-    assert changed.image_tag != first.image_tag
-
-
-def test_the_build_context_follows_dockerignore_plus_dockerfile_and_buildspec(tmp_path):
-    from constructs_lib.image_build import build_context_excludes
-
-    (tmp_path / ".dockerignore").write_text("# allow-list\n*\n!pyproject.toml\n!semif/\nsemif/**/__pycache__\n")
-    for name in ("Dockerfile", "buildspec.yml", "pyproject.toml"):
-        (tmp_path / name).write_text(name)
-    (tmp_path / "semif").mkdir()
-    (tmp_path / "semif" / "app.py").write_text("v1")
-    (tmp_path / "notes.md").write_text("not a build input")
-    excludes, _ = build_context_excludes(tmp_path)
-    assert excludes[:2] == ["*", "!pyproject.toml"] and excludes[-3:] == ["!Dockerfile", "!buildspec.yml",
-                                                                          "!.dockerignore"]
-    _, first = build_stack(tmp_path)
-    (tmp_path / "notes.md").write_text("edited, still not a build input")
-    _, unchanged = build_stack(tmp_path)
-    assert unchanged.image_tag == first.image_tag
-    for name, content in (("semif/serving/app.py", "v2"), ("buildspec.yml", "v2"), ("Dockerfile", "v2")):
-        (tmp_path / name).write_text(content)
-        _, changed = build_stack(tmp_path)
-        assert changed.image_tag != first.image_tag, name
-        first = changed
+def test_image_digests_are_read_from_the_image_steps_outputs(tmp_path):
+    for variant, digest in (("cpu", "sha256:" + "1" * 64), ("gpu", "sha256:" + "2" * 64)):
+        (tmp_path / variant).mkdir()
+        (tmp_path / variant / "image.json").write_text(json.dumps({"imageDigest": digest}))
+    assert read_image_digests(tmp_path) == {"cpu": "sha256:" + "1" * 64, "gpu": "sha256:" + "2" * 64}

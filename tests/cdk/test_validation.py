@@ -14,7 +14,7 @@ from constructs_lib.chat_endpoint import llama_cpp_environment
 from constructs_lib.endpoint_compute import EndpointCompute, InstancePool
 from constructs_lib.image_sources import dlc_image_uri
 
-BASE = dict(min_instances=1, max_instances=2, target_invocations_per_instance=10, model_download_timeout_s=600,
+BASE = dict(min_instances=1, max_instances=2, target_concurrency=4.0, model_download_timeout_s=600,
             startup_health_check_timeout_s=600)
 POOLS = [InstancePool("ml.g6e.xlarge", 1), InstancePool("ml.g6.xlarge", 2)]
 
@@ -94,6 +94,10 @@ def test_mistyped_llama_cpp_option_is_refused():
 def test_dlc_image_uri_uses_the_regional_registry_account():
     assert dlc_image_uri("eu-west-1", "cpu") == (
         "763104351884.dkr.ecr.eu-west-1.amazonaws.com/llama-cpp:server-sagemaker-cpu-v1")
+    assert dlc_image_uri("us-east-1", "gpu", "sha256:" + "a" * 64) == (
+        "763104351884.dkr.ecr.us-east-1.amazonaws.com/llama-cpp@sha256:" + "a" * 64)
+    with pytest.raises(ValueError, match="sha256:<64 hex>"):
+        dlc_image_uri("us-east-1", "gpu", "sha256:short")
     assert dlc_image_uri("ap-east-1", "gpu").startswith("871362719292.dkr.ecr.ap-east-1.")
     with pytest.raises(ValueError, match="no AWS Deep Learning Container registry account known for region"):
         dlc_image_uri("xx-nowhere-1", "cpu")
@@ -121,7 +125,7 @@ def test_shipped_config_defines_dev_and_prod():
     assert prod.variant == "gpu"
     assert [(p.instance_type, p.priority) for p in prod.decision.instance_pools] == [
         ("ml.g6e.xlarge", 1), ("ml.g6.xlarge", 2), ("ml.g5.xlarge", 3), ("ml.g4dn.xlarge", 4)]
-    assert settings.environment("dev").decision.instance_type == "ml.c6i.8xlarge"
+    assert settings.environment("dev").decision.instance_type == "ml.c6i.xlarge"
 
 
 def test_unknown_environment_is_a_clear_error():
@@ -138,8 +142,8 @@ def test_unknown_key_in_config_is_refused(tmp_path, raw_config):
 
 def test_missing_key_in_config_is_refused(tmp_path, raw_config):
     raw = copy.deepcopy(raw_config)
-    del raw["environments"]["prod"]["alarms"]["model_latency_p95_ms"]
-    with pytest.raises(ConfigError, match=r"environments.prod.alarms: missing key\(s\) model_latency_p95_ms"):
+    del raw["environments"]["prod"]["decision"]["alarms"]["model_latency_p95_ms"]
+    with pytest.raises(ConfigError, match=r"environments.prod.decision.alarms: missing key\(s\) model_latency_p95_ms"):
         _load(tmp_path, raw)
 
 
@@ -168,8 +172,8 @@ def test_bad_variant_account_and_endpoint_name_are_refused(tmp_path, raw_config)
 
 def test_pipeline_stage_must_be_a_defined_environment(tmp_path, raw_config):
     raw = copy.deepcopy(raw_config)
-    raw["pipeline"]["stages"] = ["dev", "staging"]
-    with pytest.raises(ConfigError, match="pipeline: stage 'staging' is not a defined environment"):
+    raw["pipeline"]["stages"] = ["dev", "qa"]
+    with pytest.raises(ConfigError, match="pipeline: stage 'qa' is not a defined environment"):
         _load(tmp_path, raw)
 
 
@@ -214,3 +218,112 @@ def test_any_pool_list_is_either_valid_or_refused_with_a_reason(priorities):
     else:
         with pytest.raises(ValueError, match="invalid endpoint compute: "):
             EndpointCompute(instance_pools=pools, **BASE)
+
+
+# ---- deploy-safety checks on the environments file (issue 12) ----
+
+
+def _edit(raw_config, env, path, value):
+    raw = copy.deepcopy(raw_config)
+    node = raw["environments"][env]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return raw
+
+
+def test_no_environment_may_pin_a_context_too_small_for_system_ones_255_option_standard(tmp_path, raw_config):
+    for name in load_settings().environments:
+        assert load_settings().environment(name).decision.adapter.n_ctx >= 8192, name
+    with pytest.raises(ConfigError, match=r"environments.dev.decision.adapter.n_ctx: 4096 is below 8192"):
+        _load(tmp_path, _edit(raw_config, "dev", ("decision", "adapter", "n_ctx"), 4096))
+
+
+@pytest.mark.parametrize("env,path,value,message", [
+    ("prod", ("decision", "instance_pools"), [{"instance_type": "ml.c6i.xlarge", "priority": 1}],
+     "ml.c6i.xlarge has no GPU, but variant is 'gpu'"),
+    ("dev", ("decision", "instance_type"), "ml.g5.xlarge", "ml.g5.xlarge is a GPU instance, but variant is 'cpu'"),
+    ("dev", ("decision", "instance_type"), "ml.c7g.xlarge", "arm64 \\(Graviton\\) instance"),
+    ("dev", ("text", "instance_type"), "ml.inf2.xlarge", "no NVIDIA GPU or x86 CPU"),
+    ("prod", ("text", "instance_type"), "ml.p3.2xlarge", "not a family al2023-ami-sagemaker-inference-gpu-4-1 supports"),
+])
+def test_instance_families_must_match_the_variant_the_architecture_and_the_host_ami(tmp_path, raw_config, env, path,
+                                                                                   value, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(tmp_path, _edit(raw_config, env, path, value))
+
+
+def test_gpu_variants_need_a_host_ami_whose_driver_runs_cuda_13(tmp_path, raw_config):
+    with pytest.raises(ConfigError, match="environments.prod.inference_ami_version: a GPU variant needs one of "
+                                          "al2023-ami-sagemaker-inference-gpu-4-1"):
+        _load(tmp_path, _edit(raw_config, "prod", ("inference_ami_version",), "al2-ami-sagemaker-inference-gpu-2"))
+    with pytest.raises(ConfigError, match="only GPU variants set a host AMI"):
+        _load(tmp_path, _edit(raw_config, "dev", ("inference_ami_version",), "al2023-ami-sagemaker-inference-gpu-4-1"))
+
+
+@pytest.mark.parametrize("value", [120, 7200])
+def test_provisioning_timeout_outside_sagemakers_range_is_refused(tmp_path, raw_config, value):
+    with pytest.raises(ConfigError, match=f"variant_instance_provision_timeout_s: {value} is outside 300-3600"):
+        _load(tmp_path, _edit(raw_config, "prod", ("decision", "variant_instance_provision_timeout_s"), value))
+
+
+def test_prod_needs_an_alarm_subscription_or_an_explicit_opt_out(tmp_path, raw_config):
+    raw = _edit(raw_config, "prod", ("alarm_email",), None)
+    with pytest.raises(ConfigError, match="environments.prod.alarm_email: a prod environment needs an alarm subscription"):
+        _load(tmp_path, raw)
+    raw["environments"]["prod"]["alarm_opt_out_reason"] = "paged through the org-wide CloudWatch→PagerDuty bridge"
+    assert _load(tmp_path, raw).environment("prod").alarm_email is None
+    with pytest.raises(ConfigError, match="not an email address"):
+        _load(tmp_path, _edit(raw_config, "prod", ("alarm_email",), "oncall"))
+
+
+def test_chat_client_role_must_name_roles_not_accounts(tmp_path, raw_config):
+    with pytest.raises(ConfigError, match=r"client_role_arns\[0\]: '111111111111' is not an IAM role ARN"):
+        _load(tmp_path, _edit(raw_config, "dev", ("text", "client_role_arns"), ["111111111111"]))
+    with pytest.raises(ConfigError, match="name at least one role"):
+        _load(tmp_path, _edit(raw_config, "dev", ("text", "client_role_arns"), []))
+
+
+def test_prod_needs_an_earlier_stage_that_runs_the_same_image_variant(tmp_path, raw_config):
+    raw = copy.deepcopy(raw_config)
+    raw["pipeline"]["stages"] = ["dev", "prod"]
+    raw["pipeline"]["bake_before"] = {}
+    with pytest.raises(ConfigError, match="'prod' runs the gpu image, but no earlier stage does"):
+        _load(tmp_path, raw)
+
+
+def test_a_bake_must_name_a_stage_that_runs_before_its_target(tmp_path, raw_config):
+    raw = copy.deepcopy(raw_config)
+    raw["pipeline"]["bake_before"] = {"staging": "prod"}
+    with pytest.raises(ConfigError, match="'prod' must be a stage that runs before 'staging'"):
+        _load(tmp_path, raw)
+
+
+def test_dlc_images_are_pinned_by_digest(tmp_path, raw_config):
+    raw = copy.deepcopy(raw_config)
+    raw["dlc_images"]["gpu"] = "server-sagemaker-cuda-v1"
+    with pytest.raises(ConfigError, match="dlc_images.gpu: 'server-sagemaker-cuda-v1' is not a 'sha256:<64 hex>'"):
+        _load(tmp_path, raw)
+
+
+def test_monthly_minimum_cost_table_in_the_deploy_doc_matches_the_config():
+    from config.pricing import PRICES_AS_OF, monthly_cost_table
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    table = monthly_cost_table(load_settings())
+    assert table in doc, "docs/deploy.md's cost table is stale; paste the table `cdk synth` prints"
+    assert PRICES_AS_OF in doc
+    # Dev is sized to its 135M model: two small CPU instances, not the ~$1.7k/month it used to be.
+    dev_total = float(table.split("| dev | **total** | | | **")[1].split("**")[0].replace(",", ""))
+    assert dev_total < 300
+
+
+def test_the_deploy_doc_walks_from_zero_and_says_what_stays_unverified():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    for heading in ("## 0. Before the first deploy", "## 1. Bootstrap", "## 2. Quotas: GPU instances for blue/green",
+                    "## 3. Deploy the pipeline, then give it a model", "## What stays unverified without an AWS account"):
+        assert heading in doc, heading
+    unverified = doc.split("## What stays unverified without an AWS account")[1]
+    assert "The image build itself is unverified until its first CodeBuild run" in unverified
+    assert "autoscaling_enabled: false" in doc  # the instance-type change procedure
+    assert "aws ecr describe-images --region us-east-1 --registry-id 763104351884" in doc  # DLC digest look-up

@@ -1,0 +1,50 @@
+"""No Lambda-backed custom resource builds the image during `cdk deploy` any more.
+
+The image-build custom resource (and its handlers in lambda/image_build/) is gone: a CloudFormation custom
+resource waits at most an hour, and a cold CUDA build can take longer. The pipeline builds each variant before
+any deploy (tests/cdk/test_app.py). This guards against the build creeping back into a stack.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cdk"))
+from cdk_testing import IMAGE_DIGESTS, REPO, all_stacks, synth_real_app  # noqa: E402
+
+# The only Lambda left in the environments: CDK's own S3 auto-delete handler, in disposable tiers.
+ALLOWED_HANDLER = "Custom::S3AutoDeleteObjectsCustomResourceProvider"
+
+
+@pytest.fixture(scope="module")
+def environment_templates(tmp_path_factory):
+    templates = {}
+    for env in ("dev", "prod"):
+        _, assembly = synth_real_app(tmp_path_factory.mktemp(env), env=env, **IMAGE_DIGESTS)
+        templates.update({s.stack_name: s.template for s in all_stacks(assembly)})
+    return templates
+
+
+def test_no_stack_builds_an_image_while_it_deploys(environment_templates):
+    for name, template in environment_templates.items():
+        types = {r["Type"] for r in template["Resources"].values()}
+        assert "AWS::CodeBuild::Project" not in types, name
+        assert not [t for t in types if t.startswith("Custom::") and t != "Custom::S3AutoDeleteObjects"], name
+        assert "AWS::StepFunctions::StateMachine" not in types, name  # no Provider waiter
+
+
+def test_the_only_lambda_is_cdks_auto_delete_handler_in_disposable_tiers(environment_templates):
+    for name, template in environment_templates.items():
+        functions = [k for k, r in template["Resources"].items() if r["Type"] in ("AWS::Lambda::Function",)]
+        if name == "semif-dev-shared":
+            assert functions and all(k.startswith("CustomS3AutoDeleteObjectsCustomResourceProviderHandler")
+                                     for k in functions)
+        else:
+            assert functions == [], name
+
+
+def test_the_old_handler_code_is_gone():
+    assert not (REPO / "lambda" / "image_build").exists()
