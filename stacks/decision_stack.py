@@ -11,6 +11,7 @@ from constructs_lib.decision_endpoint import DecisionEndpoint
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.image_sources import BuiltImage
+from constructs_lib.model_check import ModelCheck
 from stacks.outputs import publish
 
 
@@ -48,6 +49,11 @@ class DecisionStack(Stack):
             compute=compute, alarm_topic=alarm_topic, alarm_thresholds=alarm_thresholds,
             low_margin_threshold=low_margin_threshold, log_retention=log_retention, removal_policy=removal_policy,
         )
+        # No Model (so no instance) before the model it serves is in the bucket, on every deploy path.
+        self.model_check = ModelCheck(self, "ModelCheck", model_bucket=model_bucket, model_key=model_key,
+                                      model_prefix=model_prefix, log_retention=log_retention,
+                                      removal_policy=removal_policy)
+        self.model_check.guard(self.endpoint.cfn_model)
 
         self.endpoint_name_output = publish(self, env_name=env_name, key="decision/endpoint-name",
                                             value=endpoint_name, description="Decision endpoint name")

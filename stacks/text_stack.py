@@ -11,6 +11,7 @@ from constructs_lib.chat_endpoint import ChatEndpoint
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.image_sources import DlcImage
+from constructs_lib.model_check import ModelCheck
 from stacks.outputs import publish
 
 
@@ -45,6 +46,11 @@ class TextStack(Stack):
             compute=compute, alarm_topic=alarm_topic, alarm_thresholds=alarm_thresholds,
             log_retention=log_retention, removal_policy=removal_policy,
         )
+        # The DLC serves the same GGUF from the same prefix: checked here too, so this stack stands on its own.
+        self.model_check = ModelCheck(self, "ModelCheck", model_bucket=model_bucket, model_key=model_key,
+                                      model_prefix=model_prefix, log_retention=log_retention,
+                                      removal_policy=removal_policy)
+        self.model_check.guard(self.endpoint.cfn_model)
         # The named app roles assume this role to mint short-lived bearer tokens for the OpenAI-compatible route.
         if not client_role_arns:
             raise ValueError("client_role_arns: name at least one role that may call the chat endpoint")
