@@ -2,7 +2,8 @@
 
 The image-build custom resource (and its handlers in lambda/image_build/) is gone: a CloudFormation custom
 resource waits at most an hour, and a cold CUDA build can take longer. The pipeline builds each variant before
-any deploy (tests/cdk/test_app.py). This guards against the build creeping back into a stack.
+any deploy (tests/cdk/test_app.py). This guards against the build creeping back into a stack. The one custom
+resource the endpoint stacks keep is the model check (lambda/model_check/), which reads S3 for seconds.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cdk"))
 from cdk_testing import IMAGE_DIGESTS, REPO, all_stacks, synth_real_app  # noqa: E402
 
-# The only Lambda left in the environments: CDK's own S3 auto-delete handler, in disposable tiers.
+# The Lambdas left in the environments: CDK's own S3 auto-delete handler (disposable tiers), and the model check.
 ALLOWED_HANDLER = "Custom::S3AutoDeleteObjectsCustomResourceProvider"
+ALLOWED_CUSTOM = {"Custom::S3AutoDeleteObjects", "Custom::SemIfModelCheck"}
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +34,19 @@ def test_no_stack_builds_an_image_while_it_deploys(environment_templates):
     for name, template in environment_templates.items():
         types = {r["Type"] for r in template["Resources"].values()}
         assert "AWS::CodeBuild::Project" not in types, name
-        assert not [t for t in types if t.startswith("Custom::") and t != "Custom::S3AutoDeleteObjects"], name
+        assert not [t for t in types if t.startswith("Custom::") and t not in ALLOWED_CUSTOM], name
         assert "AWS::StepFunctions::StateMachine" not in types, name  # no Provider waiter
 
 
-def test_the_only_lambda_is_cdks_auto_delete_handler_in_disposable_tiers(environment_templates):
+def test_the_lambdas_are_cdks_auto_delete_handler_in_disposable_tiers_and_the_model_check(environment_templates):
     for name, template in environment_templates.items():
         functions = [k for k, r in template["Resources"].items() if r["Type"] in ("AWS::Lambda::Function",)]
         if name == "semif-dev-shared":
             assert functions and all(k.startswith("CustomS3AutoDeleteObjectsCustomResourceProviderHandler")
                                      for k in functions)
+        elif name.endswith(("-decision", "-text")):
+            assert [k for k in functions if not k.startswith("ModelCheckFunction")] == [], name
+            assert len(functions) == 1, name
         else:
             assert functions == [], name
 
