@@ -48,6 +48,9 @@ class ModelCheck(Construct):
         self.model_prefix = model_prefix
         self.manifest_key = manifest_key(model_prefix)
         self.log_group = logs.LogGroup(self, "Logs", retention=log_retention, removal_policy=removal_policy)
+        checkov_skip(self.log_group, "CKV_AWS_158", "The model check logs only the bucket, the model prefix and the "
+                     "outcome (no model bytes, no decision state); a customer key's policy would need this generated "
+                     "log group's ARN, or a fixed name that a retained prod group blocks on re-create.")
         # Its own role, not AWSLambdaBasicExecutionRole: one log group, the model's objects, the model key.
         self.role = iam.Role(self, "Role", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
                              description=f"Checks the model at {model_prefix} before the endpoint deploys")
