@@ -100,6 +100,9 @@ class ModelCheck(Construct):
                         "ManifestKey": self.manifest_key},
             # The check creates nothing: there is nothing to keep, and Delete is a no-op.
             removal_policy=RemovalPolicy.DESTROY,
+            # Should the function die without answering (it answers on every path it controls), the deploy fails
+            # after minutes instead of CloudFormation's default hour.
+            service_timeout=Duration.minutes(5),
         )
 
     def guard(self, *resources) -> None:

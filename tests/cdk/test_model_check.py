@@ -50,7 +50,9 @@ def test_the_check_is_a_python_3_14_function_with_its_own_log_group_and_retentio
     assert function["LoggingConfig"] == {"LogGroup": {"Ref": log_group_id}}
     (resource,) = [r["Properties"] for r in template["Resources"].values() if r["Type"] == RESOURCE_TYPE]
     assert {k: v for k, v in resource.items() if k != "ServiceToken"} == {
-        "Bucket": BUCKET, "ModelPrefix": "models/m/1/", "ManifestKey": "models/m/1/model-manifest.json"}
+        "Bucket": BUCKET, "ModelPrefix": "models/m/1/", "ManifestKey": "models/m/1/model-manifest.json",
+        "ServiceTimeout": "300"}
+    assert function["Timeout"] == 60  # the function answers well inside the resource's timeout
 
 
 def test_the_check_role_reads_the_manifest_and_the_prefixs_ggufs_only_and_decrypts_with_the_model_key_via_s3():
