@@ -29,11 +29,12 @@ from constructs_lib.endpoint_compute import EndpointCompute, InstancePool
 from constructs_lib.image_build import IMAGE_REPOSITORY_NAME, read_image_digests
 from constructs_lib.image_sources import dlc_image_uri
 from constructs_lib.model_bucket import model_bucket_name
+from constructs_lib.model_check import manifest_key
 from constructs_lib.serving_endpoint import target_concurrency
 from stacks.decision_stack import DecisionStack
 from stacks.pipeline_stack import (PIPELINE_CHECK_ROLE_NAME, PipelineStack, PipelineStageSpec, StageStacks,
                                    stage_stack_synthesizer)
-from stacks.shared_stack import MANIFEST_NAME, SharedStack, pipeline_check_role_name
+from stacks.shared_stack import SharedStack, pipeline_check_role_name
 from stacks.text_stack import TextStack
 
 ROOT = Path(__file__).resolve().parent
@@ -189,7 +190,8 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                                          synthesizer=stage_stack_synthesizer)
                 return StageStacks(decision=stacks.decision, endpoint_name_output=stacks.decision.endpoint_name_output)
 
-            manifest = env.model_prefix if env.model_prefix.endswith(".tar.gz") else f"{env.model_prefix}{MANIFEST_NAME}"
+            # The manifest `semif-package-model upload` writes: in the prefix, or beside the .tar.gz.
+            manifest = manifest_key(env.model_prefix)
             specs.append(PipelineStageSpec(
                 name=name, account=env.account, region=env.region, needs_approval=name in pipeline.approval_before,
                 check_role_arn=f"arn:aws:iam::{env.account}:role/{pipeline_check_role_name(name)}",

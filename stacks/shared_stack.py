@@ -12,10 +12,10 @@ from aws_cdk import ArnFormat, RemovalPolicy, Stack, aws_iam as iam, aws_kms as 
 from constructs import Construct
 
 from constructs_lib.model_bucket import ModelBucket
+from constructs_lib.model_check import MANIFEST_NAME, manifest_key as model_manifest_key  # noqa: F401 (MANIFEST_NAME: re-exported)
 from constructs_lib.nag import acknowledge_wildcard_resource, checkov_skip
 from stacks.outputs import publish
 
-MANIFEST_NAME = "model-manifest.json"
 _COLON_RESOURCE_NAME = ArnFormat.COLON_RESOURCE_NAME
 
 
@@ -83,7 +83,7 @@ class SharedStack(Stack):
         role = iam.Role(self, "PipelineCheckRole", role_name=pipeline_check_role_name(env_name),
                         assumed_by=iam.ArnPrincipal(principal_arn),
                         description="The pipeline's model check, smoke tests and bake check for this environment")
-        manifest_key = model_prefix if model_prefix.endswith(".tar.gz") else f"{model_prefix}{MANIFEST_NAME}"
+        manifest_key = model_manifest_key(model_prefix)
         role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"],
                                                resources=[self.models.bucket.arn_for_objects(manifest_key)]))
         role.add_to_policy(iam.PolicyStatement(actions=["kms:Decrypt"], resources=[self.models.key.key_arn]))

@@ -123,6 +123,13 @@ def test_pipeline_check_role_trusts_one_named_pipeline_role_and_reads_only_the_m
     assert "alarm:semif-test-decision-*" in policy
 
 
+def test_for_a_tarball_the_pipeline_check_role_reads_the_manifest_beside_it_as_the_model_check_does():
+    policy = json.dumps([p for k, p in shared_stack(model_prefix="models/m/2/model.tar.gz").find_resources(
+        "AWS::IAM::Policy").items() if k.startswith("PipelineCheckRole")])
+    # Where `semif-package-model upload --tar-gz` writes it, and where the custom resource reads it.
+    assert "models/m/2/model-manifest.json" in policy and "model.tar.gz" not in policy
+
+
 def test_central_repository_keeps_immutable_scanned_encrypted_images_and_lets_environment_accounts_pull(images):
     repositories = images.find_resources("AWS::ECR::Repository")
     (image_repo,) = [r["Properties"] for r in repositories.values() if r["Properties"]["RepositoryName"] == "semif/adapter"]
