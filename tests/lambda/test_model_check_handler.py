@@ -33,8 +33,11 @@ TAR_PREFIX = "models/tiny/v1/model.tar.gz"
 def _load_handler():
     spec = importlib.util.spec_from_file_location("model_check_handler", REPO / "lambda" / "model_check" / "handler.py")
     module = importlib.util.module_from_spec(spec)
-    sys.dont_write_bytecode = True  # keep __pycache__ out of the Lambda asset directory
-    spec.loader.exec_module(module)
+    writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ in the asset directory
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = writes_bytecode
     return module
 
 
