@@ -13,6 +13,8 @@ from aws_cdk import Duration, RemovalPolicy, aws_iam as iam, aws_kms as kms, aws
 from constructs import Construct
 
 MODELS_ROOT = "models/"
+# Batch Transform data: batch/<job>/in/ (records) and batch/<job>/out/ (answers); see constructs_lib/batch_transform.py.
+BATCH_ROOT = "batch/"
 
 
 def model_bucket_name(project: str, env_name: str, account: str, region: str) -> str:
@@ -28,6 +30,7 @@ class ModelBucket(Construct):
         *,
         bucket_name: Optional[str] = None,
         noncurrent_version_expiration_days: int = 90,
+        batch_expiration_days: int = 30,
         removal_policy: RemovalPolicy = RemovalPolicy.RETAIN,
     ) -> None:
         super().__init__(scope, id_)
@@ -70,6 +73,15 @@ class ModelBucket(Construct):
                     id="expire-old-model-versions",
                     noncurrent_version_expiration=Duration.days(noncurrent_version_expiration_days),
                     abort_incomplete_multipart_upload_after=Duration.days(7),
+                ),
+                # Job inputs and answers are working copies: gone after batch_expiration_days, and their
+                # old versions the next day (the bucket is versioned), so batch data never piles up.
+                s3.LifecycleRule(
+                    id="expire-batch-data",
+                    prefix=BATCH_ROOT,
+                    expiration=Duration.days(batch_expiration_days),
+                    noncurrent_version_expiration=Duration.days(1),
+                    abort_incomplete_multipart_upload_after=Duration.days(1),
                 ),
             ],
             removal_policy=removal_policy,

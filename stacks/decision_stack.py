@@ -8,6 +8,7 @@ from typing import Mapping, Optional
 from aws_cdk import Stack, aws_iam as iam, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
 from constructs import Construct
 
+from constructs_lib.batch_transform import BatchTransform
 from constructs_lib.decision_endpoint import DecisionEndpoint
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute
@@ -54,6 +55,11 @@ class DecisionStack(Stack):
             low_margin_threshold=low_margin_threshold, log_retention=log_retention,
         )
 
+        # Batch Transform: a Model of the same image and model, run by a role of its own (docs/batch.md).
+        self.batch = BatchTransform(self, "Batch", image=self.image_build.image, model_bucket=model_bucket,
+                                    model_key=model_key, model_prefix=model_prefix,
+                                    environment={**adapter_environment, "SEMIF_IMAGE_DIGEST": self.image_build.image_digest})
+
         if smoke_test_account:
             # The pipeline's post-deploy smoke step assumes this role (possibly from another account).
             self.smoke_test_role = iam.Role(self, "SmokeTestRole", role_name=smoke_test_role_name(env_name),
@@ -71,3 +77,9 @@ class DecisionStack(Stack):
                 value=self.image_build.repository.repository_uri, description="Adapter image repository")
         publish(self, env_name=env_name, key="decision/image-digest", value=self.image_build.image_digest,
                 description="Digest of the adapter image the endpoint serves")
+        publish(self, env_name=env_name, key="decision/batch-model-name", value=self.batch.model_name,
+                description="SageMaker Model for Batch Transform jobs (semif-batch run)")
+        publish(self, env_name=env_name, key="decision/batch-role-arn", value=self.batch.role.role_arn,
+                description="Execution role of Batch Transform jobs: reads batch/*/in/, writes batch/*/out/")
+        publish(self, env_name=env_name, key="decision/batch-instance-type", value=compute.instance_types[0],
+                description="Default instance type of Batch Transform jobs (the endpoint's first)")

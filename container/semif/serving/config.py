@@ -100,6 +100,10 @@ class Settings:
     calibration_path: Optional[Path] = None
     image_digest: Optional[str] = None
     log_level: str = "INFO"
+    # JSON Lines mini-batches (SageMaker Batch Transform; semif/serving/jsonlines.py). The deadline stays
+    # below Batch Transform's default 600 s invocation timeout; 0 tokens = no budget beyond the context.
+    batch_deadline_s: float = 540.0
+    batch_max_request_tokens: int = 0
 
     @property
     def served_model_name(self) -> str:
@@ -143,6 +147,8 @@ class Settings:
             calibration_path=Path(calibration) if calibration else None,
             image_digest=env.get("SEMIF_IMAGE_DIGEST") or None,
             log_level=log_level,
+            batch_deadline_s=_float(env, "SEMIF_BATCH_DEADLINE_S", 540.0, minimum=0.001),
+            batch_max_request_tokens=_int(env, "SEMIF_BATCH_MAX_REQUEST_TOKENS", 0, minimum=0),
         )
 
 
