@@ -84,10 +84,12 @@ def test_prod_decision_endpoint_uses_gpu_pools_and_the_pinned_adapter_image(prod
         "VariantInstanceProvisionTimeoutInSeconds": 1800,
         "InitialInstanceCount": 2,
     })]})
-    (model,) = template.find_resources("AWS::SageMaker::Model").values()
-    image = model["Properties"]["PrimaryContainer"]["Image"]
     (build_id,) = template.find_resources("Custom::SemIfImageBuild")
-    assert image["Fn::Join"][1][-2:] == ["@", {"Fn::GetAtt": [build_id, "ImageDigest"]}]
+    models = template.find_resources("AWS::SageMaker::Model").values()
+    assert len(models) == 2  # the endpoint's and Batch Transform's (docs/batch.md): both pinned alike
+    for model in models:
+        image = model["Properties"]["PrimaryContainer"]["Image"]
+        assert image["Fn::Join"][1][-2:] == ["@", {"Fn::GetAtt": [build_id, "ImageDigest"]}]
     (build,) = template.find_resources("Custom::SemIfImageBuild").values()
     assert build["Properties"]["BaseImage"].endswith("/llama-cpp:server-sagemaker-cuda-v1")
 
