@@ -45,7 +45,7 @@ def aws(monkeypatch):
 def run_args(**overrides) -> argparse.Namespace:
     values = dict(endpoint_stack="test", input=f"s3://{BUCKET}/uploads/tickets.jsonl", output=None, instance_type=None,
                   instance_count=3, job_name="semif-test-job", region=REGION, max_payload_mb=None,
-                  max_concurrent_transforms=None, invocation_timeout_s=600, join_input=False, poll_s=0.0, no_wait=True,
+                  max_concurrent_transforms=None, invocation_timeout_s=3600, join_input=False, poll_s=0.0, no_wait=True,
                   no_progress=True)
     values.update(overrides)
     return argparse.Namespace(**values)
@@ -88,7 +88,7 @@ def test_run_shards_one_object_into_one_per_instance_and_creates_the_job_field_b
     assert job["TransformOutput"]["AssembleWith"] == "Line"
     assert job["TransformOutput"]["Accept"] == "application/jsonlines"
     assert job["TransformResources"] == {"InstanceType": "ml.c6i.8xlarge", "InstanceCount": 3}
-    assert job["ModelClientConfig"] == {"InvocationsTimeoutInSeconds": 600, "InvocationsMaxRetries": 1}
+    assert job["ModelClientConfig"] == {"InvocationsTimeoutInSeconds": 3600, "InvocationsMaxRetries": 1}
     # Left to the container's GET /execution-parameters.
     assert "MaxPayloadInMB" not in job and "MaxConcurrentTransforms" not in job
 
@@ -242,3 +242,4 @@ def test_mini_batches_respect_the_payload_limit_and_keep_every_line():
     assert [len(b) for b in batches] == [3, 3, 3, 1]
     assert [line for b in batches for line in b] == lines
     assert list(batch.mini_batches([b"y" * 5000], 1000)) == [[b"y" * 5000]]  # an oversized record goes alone
+    assert [len(b) for b in batch.mini_batches(lines, 1 << 20, max_records=4)] == [4, 4, 2]

@@ -175,7 +175,7 @@ def test_batch_settings_come_from_their_own_variables(model_path):
     from semif.serving.config import Settings, SettingsError
 
     env = {"SEMIF_MODEL_PATH": str(model_path)}
-    assert (Settings.from_env(env).batch_deadline_s, Settings.from_env(env).batch_max_request_tokens) == (540.0, 0)
+    assert (Settings.from_env(env).batch_deadline_s, Settings.from_env(env).batch_max_request_tokens) == (3300.0, 0)
     tuned = Settings.from_env({**env, "SEMIF_BATCH_DEADLINE_S": "120", "SEMIF_BATCH_MAX_REQUEST_TOKENS": "8192"})
     assert (tuned.batch_deadline_s, tuned.batch_max_request_tokens) == (120.0, 8192)
     with pytest.raises(SettingsError, match="SEMIF_BATCH_DEADLINE_S"):

@@ -101,8 +101,8 @@ class Settings:
     image_digest: Optional[str] = None
     log_level: str = "INFO"
     # JSON Lines mini-batches (SageMaker Batch Transform; semif/serving/jsonlines.py). The deadline stays
-    # below Batch Transform's default 600 s invocation timeout; 0 tokens = no budget beyond the context.
-    batch_deadline_s: float = 540.0
+    # below the 3600 s invocation timeout semif-batch sets; 0 tokens = no budget beyond the context.
+    batch_deadline_s: float = 3300.0
     batch_max_request_tokens: int = 0
 
     @property
@@ -147,7 +147,7 @@ class Settings:
             calibration_path=Path(calibration) if calibration else None,
             image_digest=env.get("SEMIF_IMAGE_DIGEST") or None,
             log_level=log_level,
-            batch_deadline_s=_float(env, "SEMIF_BATCH_DEADLINE_S", 540.0, minimum=0.001),
+            batch_deadline_s=_float(env, "SEMIF_BATCH_DEADLINE_S", 3300.0, minimum=0.001),
             batch_max_request_tokens=_int(env, "SEMIF_BATCH_MAX_REQUEST_TOKENS", 0, minimum=0),
         )
 

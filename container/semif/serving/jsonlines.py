@@ -14,6 +14,7 @@ shutting down) fails the whole mini-batch with 503, so that Batch Transform retr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -155,14 +156,13 @@ async def read_raw(request: Request, max_bytes: int) -> bytes:
 
 async def handle(service, request: Request) -> Response:
     """Answer one mini-batch: one line out per line in, in order."""
-    import asyncio
-
     settings = service.settings
     started = time.perf_counter()
     deadline = started + settings.batch_deadline_s
     request_id = request.headers.get("x-request-id") or request.headers.get("x-amzn-requestid") or uuid.uuid4().hex
     headers = {"x-request-id": request_id}
-    fields: dict[str, Any] = {"request_id": request_id, "route": request.url.path, "content_type": MEDIA_TYPE}
+    fields: dict[str, Any] = {"request_id": request_id, "route": request.url.path, "contract": "jsonlines",
+                              "content_type": MEDIA_TYPE}
     errors: Counter = Counter()
     totals = Counter()
     out: list[dict] = []

@@ -23,13 +23,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from botocore.exceptions import BotoCoreError, ClientError
 
 JSON_LINES = "application/jsonlines"
 MIB = 1 << 20
 TERMINAL = ("Completed", "Failed", "Stopped")
-# Batch Transform's own default; the adapter's SEMIF_BATCH_DEADLINE_S (540 s) answers inside it.
-INVOCATION_TIMEOUT_S = 600
+# Batch Transform's maximum: a 1 MB mini-batch can hold thousands of records. The adapter's
+# SEMIF_BATCH_DEADLINE_S (3300 s) answers inside it, with the records it did not reach as error lines.
+INVOCATION_TIMEOUT_S = 3600
+LOCAL_RECORDS_PER_BATCH = 32
 
 
 # On-demand SageMaker prices (USD per instance-hour, us-east-1; Batch Transform bills the inference rate) of the
@@ -354,6 +358,8 @@ def run_job(args, *, session=None, console=None, out_console=None, ask_stop: Opt
                   TimeElapsedColumn(), console=console, disable=args.no_progress) as bar:
         task = bar.add_task(f"counting records in {plan.source.uri}", total=None)
         records = count_records(s3, plan.source.bucket, plan.source_keys)
+        if records == 0:
+            raise BatchError(f"{plan.source.uri} holds no records (non-blank lines)")
         if plan.stage:
             bar.update(task, description=f"sharding into {plan.input.uri}", total=records, completed=0)
             inputs = stage_shards(s3, plan.source.bucket, plan.source_keys, plan.input, args.instance_count,
@@ -361,8 +367,6 @@ def run_job(args, *, session=None, console=None, out_console=None, ask_stop: Opt
         else:
             inputs = plan.source_keys
         bar.update(task, visible=False)
-    if records == 0:
-        raise BatchError(f"{plan.source.uri} holds no records (non-blank lines)")
     request = transform_job_request(
         job_name=job_name, model_name=outputs.model_name, input_uri=plan.input.uri, output_uri=plan.output.uri,
         instance_type=args.instance_type or outputs.instance_type, instance_count=args.instance_count,
@@ -468,12 +472,13 @@ class LocalAdapter:
         self._close()
 
 
-def mini_batches(lines: Sequence[bytes], max_bytes: int) -> Iterator[list[bytes]]:
-    """Consecutive lines joined up to ``max_bytes`` per body, as Batch Transform's MultiRecord strategy does."""
+def mini_batches(lines: Sequence[bytes], max_bytes: int, max_records: int = 0) -> Iterator[list[bytes]]:
+    """Consecutive lines joined up to ``max_bytes`` per body, as Batch Transform's MultiRecord strategy does
+    (and at most ``max_records`` lines, when set)."""
     batch: list[bytes] = []
     size = 0
     for line in lines:
-        if batch and size + len(line) + 1 > max_bytes:
+        if batch and (size + len(line) + 1 > max_bytes or 0 < max_records <= len(batch)):
             yield batch
             batch, size = [], 0
         batch.append(line)
@@ -510,7 +515,9 @@ def answer_mini_batch(adapter: LocalAdapter, batch: list[bytes], *, retries: int
 
 
 def run_local(input_path: Path, output_path: Path, adapter: LocalAdapter, *, console=None, disable: bool = False,
-              max_payload_mb: Optional[int] = None) -> Summary:
+              max_payload_mb: Optional[int] = None, max_records: int = LOCAL_RECORDS_PER_BATCH) -> Summary:
+    """Answers do not depend on how records are grouped (each is scored on its own); ``max_records`` only keeps
+    the progress bar moving. 0 groups exactly as Batch Transform does (by payload size alone)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     lines = read_input_lines(input_path)
@@ -522,7 +529,7 @@ def run_local(input_path: Path, output_path: Path, adapter: LocalAdapter, *, con
         TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=disable,
     ) as bar:
         task = bar.add_task(f"{input_path.name} → {adapter.address}", total=len(lines))
-        for batch in mini_batches(lines, payload_mb * MIB):
+        for batch in mini_batches(lines, payload_mb * MIB, max_records):
             for answer in answer_mini_batch(adapter, batch):
                 out.write(answer + b"\n")
                 summary.add_line(answer)
@@ -801,6 +808,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     where.add_argument("--model", help="GGUF file for the in-process adapter (default: SEMIF_* settings, else the embedded model)")
     local.add_argument("--api-key", help="bearer key for --url (default: $SEMIF_API_KEY)")
     local.add_argument("--max-payload-mb", type=int, help="mini-batch size (default: the adapter's /execution-parameters)")
+    local.add_argument("--max-records-per-batch", type=int, default=LOCAL_RECORDS_PER_BATCH,
+                       help="records per mini-batch, for a live progress bar; 0: by payload size alone, as Batch Transform")
     local.add_argument("--no-progress", action="store_true")
 
     report = commands.add_parser("report", help="summarise an output file (PNG histograms, report.json)")
@@ -831,7 +840,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             started = time.perf_counter()
             try:
                 summary = run_local(args.input, args.output, adapter, console=console, disable=args.no_progress,
-                                    max_payload_mb=args.max_payload_mb)
+                                    max_payload_mb=args.max_payload_mb, max_records=args.max_records_per_batch)
             finally:
                 adapter.close()
             console.print(f"{summary.records_in} records in {time.perf_counter() - started:.1f} s")
@@ -853,6 +862,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except BatchError as exc:
         console.print(f"semif-batch: {exc}")
         return 2
+    except (BotoCoreError, ClientError) as exc:  # credentials, permissions, throttling: AWS's own words
+        console.print(f"semif-batch: AWS: {exc}")
+        return 3
 
 
 def _json_default(value):
