@@ -145,3 +145,24 @@ def test_report_refuses_an_input_that_does_not_line_up_with_the_output(tmp_path)
     (tmp_path / "in.jsonl").write_text("{}\n{}\n")
     assert batch.main(["report", str(tmp_path / "out.jsonl"), "--input", str(tmp_path / "in.jsonl"),
                        "--out", str(tmp_path / "r")]) == 2
+
+
+def test_report_counts_system_one_and_openai_answers_per_question_and_their_error_shapes(tmp_path):
+    from semif.tools import batch
+
+    lines = [
+        {"id": "t1", "model": "m", "answers": {
+            "team": {"type": "choice", "choice": "Billing", "probabilities": {"Billing": 0.8, "Sales": 0.2}},
+            "anger": {"type": "score", "score": 0.7, "legend": {"0": "calm", "1": "angry"},
+                      "probabilities": {"0": 0.3, "1": 0.7}}}},
+        {"id": "t2", "answers": [{"type": "predicate", "name": "refund", "probability": 0.9},
+                                 {"type": "choice", "name": "team", "choice": "billing",
+                                  "probabilities": [{"value": "billing", "probability": 0.55}, {"value": "sales", "probability": 0.45}]}]},
+        {"detail": [{"loc": ["body", "state"], "msg": "Field required", "type": "missing"}], "id": "t3"},
+        {"error": {"message": "…", "type": "invalid_request_error", "param": "questions", "code": "missing_required_parameter"}},
+    ]
+    (tmp_path / "out.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report, decisions, _ = batch.build_report(tmp_path / "out.jsonl")
+    assert report["errors"] == {"missing": 1, "missing_required_parameter": 1}
+    assert report["choices"] == {"team": {"Billing": 1, "billing": 1}, "anger": {"angry": 1}, "refund": {"true": 1}}
+    assert sorted(round(d.margin, 6) for d in decisions) == [0.1, 0.4, 0.6, 0.8]

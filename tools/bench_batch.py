@@ -5,6 +5,7 @@ on the real `serve` process and the embedded model (or --model). Prints ratios m
   1. distinct states: N records, each its own state (the labeled sample's tickets)
   2. shared states:   N records over N/G states, G consecutive records per state (different questions)
 
+The two paths run in alternating rounds of G records (A B B A …), so load from other processes is shared.
 For each: records/s through `POST /invocations` with `Content-Type: application/jsonlines` (mini-batches
 of at most MaxPayloadInMB, as Batch Transform sends them) and through one JSON request per record, in
 the same process, plus the token counts that show the prefix reuse. Each path gets its own run tag in
@@ -87,6 +88,13 @@ def json_lines(server: BenchServer, records: list[dict]) -> dict:
             "evaluated_tokens": sum(a["prompt"]["evaluated_tokens"] for a in answers)}
 
 
+def _total(parts: list[dict]) -> dict:
+    total = {key: sum(part[key] for part in parts) for key in ("records", "seconds", "tokens", "cached_tokens",
+                                                                "evaluated_tokens")}
+    total["records_per_s"] = total["records"] / total["seconds"]
+    return total
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="GGUF (default: the embedded SmolLM2-135M)")
@@ -105,10 +113,18 @@ def main() -> int:
         server.post("/invocations", record(states[0], QUESTIONS[0], "warm-up"))
         for case, make in (("distinct_states", lambda tag: distinct_records(states, args.records, tag)),
                            ("shared_states", lambda tag: shared_records(states, args.records, args.group, tag))):
-            single = one_request_per_record(server, make(f"{case}-single"))
-            lines = json_lines(server, make(f"{case}-jsonl"))
-            results[case] = {"one_request_per_record": single, "json_lines": lines,
-                             "json_lines_over_single": lines["records_per_s"] / single["records_per_s"]}
+            # Rounds of `group` records, the two paths alternating A B B A …: load from other processes on the
+            # machine drifts, and alternation spreads it over both paths alike.
+            singles, jsonls = make(f"{case}-single"), make(f"{case}-jsonl")
+            runs: dict[str, list[dict]] = {"one_request_per_record": [], "json_lines": []}
+            for start in range(0, args.records, args.group):
+                order = [("one_request_per_record", singles), ("json_lines", jsonls)]
+                for path, records in (order if (start // args.group) % 2 == 0 else order[::-1]):
+                    run = one_request_per_record if path == "one_request_per_record" else json_lines
+                    runs[path].append(run(server, records[start:start + args.group]))
+            results[case] = {path: _total(parts) for path, parts in runs.items()}
+            results[case]["json_lines_over_single"] = (results[case]["json_lines"]["records_per_s"]
+                                                       / results[case]["one_request_per_record"]["records_per_s"])
         info = server.http.get("/ping").json()
     finally:
         server.close()

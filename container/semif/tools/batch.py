@@ -591,10 +591,13 @@ def decisions_of(line: dict, number: int) -> list[DecisionRecord]:
         for qid, answer in answers.items():
             probabilities = answer.get("probabilities")
             if isinstance(probabilities, dict):
-                ids, probs = list(probabilities), list(probabilities.values())
+                legend = answer.get("legend") or {}  # a score's levels as sent (strings, or objects: keep the index)
+                ids = [legend[k] if isinstance(legend.get(k), str) else k for k in probabilities]
+                probs = list(probabilities.values())
             else:
                 ids, probs = ["true", "false"], [answer["noul"], 1 - answer["noul"]]
-            choice = answer.get("choice", answer.get("score", ids[0] if probs[0] >= probs[1] else ids[1]))
+            # A choice names its option; a noul or a score counts as its most probable outcome (level).
+            choice = answer.get("choice", ids[max(range(len(probs)), key=probs.__getitem__)])
             out.append(DecisionRecord(line=number, decision_id=qid, option_ids=[str(i) for i in ids], probabilities=probs,
                                       choice=choice, option_logits=answer.get("x_option_logits"),
                                       label_mass=answer.get("x_label_mass", answer.get("label_mass"))))
@@ -608,9 +611,9 @@ def decisions_of(line: dict, number: int) -> list[DecisionRecord]:
                 ids, probs, choice = ["true", "false"], [p, 1 - p], p >= 0.5
             else:
                 entries = answer.get("probabilities") or []
-                ids = [str(e.get("value", e.get("label"))) for e in entries]
+                ids = [str(e["label"] if "label" in e else e.get("value")) for e in entries]
                 probs = [e["probability"] for e in entries]
-                choice = answer.get("choice", answer.get("score"))
+                choice = answer.get("choice", ids[max(range(len(probs)), key=probs.__getitem__)] if probs else None)
             out.append(DecisionRecord(line=number, decision_id=name, option_ids=ids, probabilities=probs, choice=choice,
                                       label_mass=answer.get("label_mass")))
         return out
