@@ -11,6 +11,7 @@ import json
 import boto3
 import pytest
 from botocore.stub import Stubber
+from hypothesis import given, strategies as st
 from moto import mock_aws
 from rich.console import Console
 
@@ -243,3 +244,21 @@ def test_mini_batches_respect_the_payload_limit_and_keep_every_line():
     assert [line for b in batches for line in b] == lines
     assert list(batch.mini_batches([b"y" * 5000], 1000)) == [[b"y" * 5000]]  # an oversized record goes alone
     assert [len(b) for b in batch.mini_batches(lines, 1 << 20, max_records=4)] == [4, 4, 2]
+
+
+@given(st.lists(st.binary(min_size=1, max_size=400).filter(lambda b: b"\n" not in b), max_size=60),
+       st.integers(min_value=64, max_value=2000), st.integers(min_value=0, max_value=7))
+def test_mini_batches_keep_every_line_in_order_within_both_limits(lines, max_bytes, max_records):
+    batches = list(batch.mini_batches(lines, max_bytes, max_records))
+    assert [line for b in batches for line in b] == lines
+    for b in batches:
+        assert len(b) == 1 or sum(len(line) + 1 for line in b) <= max_bytes
+        assert max_records == 0 or len(b) <= max_records
+
+
+@given(st.lists(st.binary(max_size=50).filter(lambda b: b"\n" not in b and not b.endswith(b"\r")), min_size=1, max_size=30))
+def test_a_body_splits_back_into_its_records_whatever_the_line_ending(records):
+    from semif.serving.jsonlines import split_lines
+
+    assert split_lines(b"\n".join(records) + b"\n") == records
+    assert split_lines(b"\r\n".join(records) + b"\r\n") == records

@@ -122,7 +122,7 @@ def test_report_counts_errors_choices_and_margins_and_scores_the_labels_with_sem
     assert report["evaluation"]["probabilities"]["ece"] is not None
     names = {Path(p).name for p in report["plots"]}
     assert {"margins.png", "labeled-reliability.png", "labeled-accuracy-coverage.png"} <= names
-    assert "label_mass.png" not in names
+    assert "label_mass.png" not in names and "labeled-latency.png" not in names  # no client latency in a batch
     assert all((report_dir / name).stat().st_size > 1000 for name in names)
 
 
