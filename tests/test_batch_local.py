@@ -166,3 +166,21 @@ def test_report_counts_system_one_and_openai_answers_per_question_and_their_erro
     assert report["errors"] == {"missing": 1, "missing_required_parameter": 1}
     assert report["choices"] == {"team": {"Billing": 1, "billing": 1}, "anger": {"angry": 1}, "refund": {"true": 1}}
     assert sorted(round(d.margin, 6) for d in decisions) == [0.1, 0.4, 0.6, 0.8]
+
+
+def test_local_against_a_running_adapter_url_answers_every_record_in_order(start_serve, tmp_path):
+    from semif.tools import batch
+
+    server = start_serve()
+    records = [json.dumps({"decision": {"id": "a", "state": "My VPN drops.", "question": "Which team?",
+                                        "options": [{"id": "network"}, {"id": "hardware"}]}}),
+               "not json",
+               json.dumps({"id": "s1", "state": "Charged twice.", "questions": {"refund": {"type": "noul", "instructions": "Refund?"}}})]
+    (tmp_path / "in.jsonl").write_text("\n".join(records) + "\n")
+    assert batch.main(["local", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--url", server.base_url,
+                       "--max-records-per-batch", "2", "--no-progress"]) == 0
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [line.get("id") for line in out] == ["a", None, "s1"]
+    assert out[1]["error"]["code"] == "invalid_json" and 0.0 <= out[2]["answers"]["refund"]["noul"] <= 1.0
+    mini_batches = [line for line in server.log_lines() if line.get("contract") == "jsonlines"]
+    assert [(m["records"], m["answered"]) for m in mini_batches] == [(2, 1), (1, 1)]
