@@ -52,5 +52,6 @@ class DecisionEndpoint(ServingEndpoint):
             alarm_thresholds=alarm_thresholds, log_retention=log_retention, removal_policy=removal_policy,
             adapter_low_margin_threshold=low_margin_threshold,
         )
+        self.environment = environment  # the adapter's SEMIF_* as the Model gets them (Batch Transform reuses them)
         self.dashboard = endpoint_dashboard(self, dashboard_name=endpoint_name, endpoint_metric=self.metric,
                                             alarms=list(self.alarms.values()), adapter=self.adapter_metrics)

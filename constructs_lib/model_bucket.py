@@ -15,6 +15,8 @@ from constructs import Construct
 from constructs_lib.nag import checkov_skip
 
 MODELS_ROOT = "models/"
+# Batch Transform data: batch/<job>/in/ (records) and batch/<job>/out/ (answers); see constructs_lib/batch_transform.py.
+BATCH_ROOT = "batch/"
 
 
 def model_bucket_name(project: str, env_name: str, account: str, region: str) -> str:
@@ -32,6 +34,7 @@ class ModelBucket(Construct):
         noncurrent_version_expiration_days: int = 90,
         removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
         auto_delete_objects: bool = False,
+        batch_expiration_days: int = 30,
     ) -> None:
         """``removal_policy``: RETAIN_ON_UPDATE_OR_DELETE (prod) keeps the data on update or delete, but a failed
         first deploy removes the (empty) buckets on rollback, so the retry does not meet "already exists" on the
@@ -79,6 +82,15 @@ class ModelBucket(Construct):
                     id="expire-old-model-versions",
                     noncurrent_version_expiration=Duration.days(noncurrent_version_expiration_days),
                     abort_incomplete_multipart_upload_after=Duration.days(7),
+                ),
+                # Job inputs and answers are working copies: gone after batch_expiration_days, and their
+                # old versions the next day (the bucket is versioned), so batch data never piles up.
+                s3.LifecycleRule(
+                    id="expire-batch-data",
+                    prefix=BATCH_ROOT,
+                    expiration=Duration.days(batch_expiration_days),
+                    noncurrent_version_expiration=Duration.days(1),
+                    abort_incomplete_multipart_upload_after=Duration.days(1),
                 ),
             ],
             removal_policy=removal_policy,

@@ -7,6 +7,7 @@ from typing import Mapping
 from aws_cdk import RemovalPolicy, Stack, aws_ecr as ecr, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
 from constructs import Construct
 
+from constructs_lib.batch_transform import BatchTransform
 from constructs_lib.decision_endpoint import DecisionEndpoint
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute
@@ -55,6 +56,13 @@ class DecisionStack(Stack):
                                       removal_policy=removal_policy)
         self.model_check.guard(self.endpoint.cfn_model)
 
+        # Batch Transform: a Model of the same image, model and environment, run by a role of its own
+        # (docs/batch.md); the model check guards it like the endpoint's Model.
+        self.batch = BatchTransform(self, "Batch", image=self.image, model_bucket=model_bucket,
+                                    model_key=model_key, model_prefix=model_prefix,
+                                    environment=self.endpoint.environment)
+        self.model_check.guard(self.batch.cfn_model)
+
         self.endpoint_name_output = publish(self, env_name=env_name, key="decision/endpoint-name",
                                             value=endpoint_name, description="Decision endpoint name")
         publish(self, env_name=env_name, key="decision/endpoint-arn", value=self.endpoint.endpoint_arn,
@@ -64,3 +72,10 @@ class DecisionStack(Stack):
         # Changes with every image: SSM only, never an export another stack could import.
         publish(self, env_name=env_name, key="decision/image-digest", value=image_digest, stable=False,
                 description="Digest of the adapter image the endpoint serves")
+        # A new Model with every image: SSM only.
+        publish(self, env_name=env_name, key="decision/batch-model-name", value=self.batch.model_name, stable=False,
+                description="SageMaker Model for Batch Transform jobs (semif-batch run)")
+        publish(self, env_name=env_name, key="decision/batch-role-arn", value=self.batch.role.role_arn,
+                description="Execution role of Batch Transform jobs: reads batch/*/in/, writes batch/*/out/")
+        publish(self, env_name=env_name, key="decision/batch-instance-type", value=compute.instance_types[0],
+                description="Default instance type of Batch Transform jobs (the endpoint's first)")

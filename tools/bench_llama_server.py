@@ -103,7 +103,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, help="GGUF (default: the embedded SmolLM2-135M)")
     parser.add_argument("--server", type=Path, default=DEFAULT_SERVER, help="llama-server binary (make llama-server)")
     parser.add_argument("--cases", type=Path, default=DEFAULT_CASES, help="labeled decisions, JSON Lines")
-    parser.add_argument("--rounds", type=int, default=2, help="passes over the cases (fresh states each pass)")
+    parser.add_argument("--rounds", type=int, default=1, help="timed passes over the cases (fresh states each pass)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -121,49 +121,56 @@ def main() -> int:
     times: dict[str, list[float]] = {"adapter": [], "server-chat": [], "server-completion": [], "server-probs": []}
     chat_ok = True
     try:
-        for round_no in range(args.rounds + 1):  # round 0 warms both servers up and is not counted
-            for index, case in enumerate(cases):
-                probe_state = f"Probe {round_no}-{index}. {case['state']}"
-                decision = {"id": case["id"], "question": case["question"], "options": case["options"]}
-                # The prompt text, from the adapter itself (untimed); each route then gets its own state
-                # variant, so neither server has evaluated the state before (llama-server caches prompts).
-                _, probe = adapter.invoke_ms({"decision": {**decision, "state": probe_state}, "return_prompt": True})
-                probe_prompt = probe["prompt"]["text"]
-                if round_no == 0 and index == 0:
-                    messages = split_messages(probe_prompt, SYSTEM_TEXT)
-                    rendered = server.http.post("/apply-template", json={"messages": messages or []}).json().get("prompt")
-                    chat_ok = messages is not None and rendered == probe_prompt
-                    print(f"llama-server's chat template renders the adapter's prompt exactly: {chat_ok}")
+        # The adapter's prompt for each case, from the adapter itself (untimed, once per case); every timed
+        # request then gets its own state variant, so neither server has seen its state before
+        # (llama-server caches prompts, the adapter caches prefixes and remembers label logits).
+        probes = {}
+        for index, case in enumerate(cases):
+            probe_state = f"Probe {index}. {case['state']}"
+            decision = {"id": case["id"], "question": case["question"], "options": case["options"]}
+            _, probe = adapter.invoke_ms({"decision": {**decision, "state": probe_state}, "return_prompt": True})
+            probes[index] = (probe_state, probe["prompt"]["text"])
+        messages = split_messages(probes[0][1], SYSTEM_TEXT)
+        rendered = server.http.post("/apply-template", json={"messages": messages or []}).json().get("prompt")
+        chat_ok = messages is not None and rendered == probes[0][1]
+        print(f"llama-server's chat template renders the adapter's prompt exactly: {chat_ok}", flush=True)
+        warmup = [(0, i) for i in range(min(3, len(cases)))]
+        schedule = warmup + [(r, i) for r in range(1, args.rounds + 1) for i in range(len(cases))]
+        for step, (round_no, index) in enumerate(schedule):
+            if step == len(warmup):
+                print("warm-up done; timing", flush=True)
+            case = cases[index]
+            probe_state, probe_prompt = probes[index]
+            decision = {"id": case["id"], "question": case["question"], "options": case["options"]}
+            def variant(route: str) -> tuple[str, str]:
+                state = f"Reference {round_no}-{index}-{route}. {case['state']}"
+                return state, probe_prompt.replace(probe_state, state)
 
-                def variant(route: str) -> tuple[str, str]:
-                    state = f"Reference {round_no}-{index}-{route}. {case['state']}"
-                    return state, probe_prompt.replace(probe_state, state)
+            def adapter_run() -> float:
+                state, _ = variant("adapter")
+                return adapter.invoke_ms({"decision": {**decision, "state": state}})[0]
 
-                def adapter_run() -> float:
-                    state, _ = variant("adapter")
-                    return adapter.invoke_ms({"decision": {**decision, "state": state}})[0]
+            def completion_run(route: str, **extra) -> float:
+                _, prompt = variant(route)
+                body = {"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True, **extra}
+                return server.post_ms("/completion", body)[0]
 
-                def completion_run(route: str, **extra) -> float:
-                    _, prompt = variant(route)
-                    body = {"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True, **extra}
-                    return server.post_ms("/completion", body)[0]
+            def chat_run() -> float:
+                _, prompt = variant("server-chat")
+                body = {"messages": split_messages(prompt, SYSTEM_TEXT), "max_tokens": 1, "temperature": 0}
+                return server.post_ms("/v1/chat/completions", body)[0]
 
-                def chat_run() -> float:
-                    _, prompt = variant("server-chat")
-                    body = {"messages": split_messages(prompt, SYSTEM_TEXT), "max_tokens": 1, "temperature": 0}
-                    return server.post_ms("/v1/chat/completions", body)[0]
-
-                runs = [
-                    ("adapter", adapter_run),
-                    ("server-completion", lambda: completion_run("server-completion")),
-                    ("server-probs", lambda: completion_run("server-probs", n_probs=20)),
-                ] + ([("server-chat", chat_run)] if chat_ok else [])
-                if index % 2:
-                    runs.reverse()  # alternate who goes first
-                for name, run in runs:
-                    ms = run()
-                    if round_no > 0:
-                        times[name].append(ms)
+            runs = [
+                ("adapter", adapter_run),
+                ("server-completion", lambda: completion_run("server-completion")),
+                ("server-probs", lambda: completion_run("server-probs", n_probs=20)),
+            ] + ([("server-chat", chat_run)] if chat_ok else [])
+            if index % 2:
+                runs.reverse()  # alternate who goes first
+            for name, run in runs:
+                ms = run()
+                if round_no > 0:
+                    times[name].append(ms)
     finally:
         adapter.close()
         server.close()

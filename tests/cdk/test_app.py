@@ -93,8 +93,10 @@ def _rendered(value) -> str:
 
 
 def _model(template: Template) -> dict:
-    (model,) = template.find_resources("AWS::SageMaker::Model").values()
-    return model["Properties"]["PrimaryContainer"]
+    """The endpoint's Model (the one its EndpointConfig names; Batch Transform has a Model of its own)."""
+    (config,) = template.find_resources("AWS::SageMaker::EndpointConfig").values()
+    (logical_id, _) = config["Properties"]["ProductionVariants"][0]["ModelName"]["Fn::GetAtt"]
+    return template.to_json()["Resources"][logical_id]["Properties"]["PrimaryContainer"]
 
 
 def test_prod_decision_endpoint_uses_gpu_pools_and_the_promoted_adapter_image(prod_assembly):
@@ -118,6 +120,11 @@ def test_prod_decision_endpoint_uses_gpu_pools_and_the_promoted_adapter_image(pr
     assert not [r for r in template.to_json()["Resources"].values()
                 if r["Type"] == "AWS::CodeBuild::Project"
                 or (r["Type"].startswith("Custom::") and r["Type"] != "Custom::SemIfModelCheck")]
+    models = template.find_resources("AWS::SageMaker::Model").values()
+    assert len(models) == 2  # the endpoint's and Batch Transform's (docs/batch.md): pinned and configured alike
+    for model in models:
+        assert _rendered(model["Properties"]["PrimaryContainer"]["Image"]) == f"{CENTRAL_REPOSITORY}@{GPU_DIGEST}"
+        assert model["Properties"]["PrimaryContainer"]["Environment"] == container["Environment"]
 
 
 def test_dev_decision_endpoint_is_cpu_sized_to_its_model(dev_assembly):

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from . import chat
+from . import chat, jsonlines
 from .admission import Admission, Overloaded
 from .auth import BearerAuth
 from .config import Settings
@@ -196,6 +196,40 @@ class DecisionService:
             fields["image_digest"] = self.settings.image_digest
             log.info("request", extra=fields)
 
+    async def answer_record(self, body: Any, contract, *, request_id: str, max_request_tokens: int = 0
+                            ) -> tuple[int, dict, dict]:
+        """One record of a JSON Lines mini-batch (semif/serving/jsonlines.py): parse → admission → engine →
+        render. Returns (status, the answer or the contract's error body, log fields). Overloaded propagates:
+        the mini-batch as a whole is refused so that Batch Transform retries it."""
+        fields: dict[str, Any] = {}
+        try:
+            job = contract.parse(body, self.limits)
+            _check_model_name(contract, body, self.settings)
+            engine = self.engine
+
+            def work():
+                jsonlines.check_token_budget(engine, job, max_request_tokens)
+                return engine.score(job.state_text, job.questions, scoring=job.scoring, return_prompt=job.return_prompt)
+
+            result, admitted = await self.admission.run(work)
+            for post in self.postprocessors:
+                post(job, result)
+            run = RunContext(request_id=request_id, model=engine.info, served_model_name=self.settings.served_model_name,
+                             queue_ms=admitted.queue_ms, compute_ms=admitted.compute_ms,
+                             total_ms=admitted.queue_ms + admitted.compute_ms, image_digest=self.settings.image_digest)
+            fields.update(tokens=result.input_tokens, cached_tokens=result.cached_tokens,
+                          evaluated_tokens=result.evaluated_tokens)
+            return 200, job.render(result, run), fields
+        except (RequestError, EngineError) as exc:
+            error = jsonlines.as_request_error(exc)
+        except Overloaded:
+            raise
+        except Exception as exc:  # never a stack trace in the output; the log keeps it (without state)
+            log.exception("unhandled error", extra={"request_id": request_id, "error_type": type(exc).__name__})
+            error = jsonlines.as_request_error(exc)
+        fields["error_code"] = error.code
+        return _error_status(contract, error), contract.error_body(error), fields
+
 
 def _check_model_name(contract, body: Any, settings: Settings) -> None:
     """Contracts with a `model` field (System One, OpenAI) declare MODEL_ALIASES, their SDKs' default names;
@@ -263,6 +297,8 @@ def create_app(settings: Settings, engine, *, extra_routes: Optional[list] = Non
         return JSONResponse({"status": "ok", "model": service.engine.info["file"], "sha256": service.engine.info["sha256"]})
 
     async def invocations(request: Request) -> Response:
+        if jsonlines.is_json_lines(request.headers.get("content-type")):
+            return await jsonlines.handle(service, request)
         try:
             body = await service.read_body(request)
         except Exception:  # the handler reads the same error back and answers it
@@ -286,9 +322,13 @@ def create_app(settings: Settings, engine, *, extra_routes: Optional[list] = Non
     async def models_route(request: Request) -> Response:
         return JSONResponse(models_listing(settings, service.engine))
 
+    async def execution_parameters(request: Request) -> Response:
+        return JSONResponse(jsonlines.execution_parameters(settings))
+
     routes = [
         Route("/ping", ping, methods=["GET"]),
         Route("/invocations", invocations, methods=["POST"]),
+        Route("/execution-parameters", execution_parameters, methods=["GET"]),
         Route("/v1/semif", semif_route, methods=["POST"]),
         Route("/v1/systemone", systemone_route, methods=["POST"]),
         Route("/v1/decisions", decisions_route, methods=["POST"]),

@@ -101,6 +101,10 @@ class Settings:
     image_digest: Optional[str] = None
     log_level: str = "INFO"
     require_gpu: bool = False
+    # JSON Lines mini-batches (SageMaker Batch Transform; semif/serving/jsonlines.py). The deadline stays
+    # below the 3600 s invocation timeout semif-batch sets; 0 tokens = no budget beyond the context.
+    batch_deadline_s: float = 3300.0
+    batch_max_request_tokens: int = 0
 
     @property
     def served_model_name(self) -> str:
@@ -148,6 +152,8 @@ class Settings:
             image_digest=env.get("SEMIF_IMAGE_DIGEST") or None,
             log_level=log_level,
             require_gpu=require_gpu,
+            batch_deadline_s=_float(env, "SEMIF_BATCH_DEADLINE_S", 3300.0, minimum=0.001),
+            batch_max_request_tokens=_int(env, "SEMIF_BATCH_MAX_REQUEST_TOKENS", 0, minimum=0),
         )
 
 

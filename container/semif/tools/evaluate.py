@@ -624,14 +624,16 @@ def write_plots(report: dict, out_dir: Path, *, prefix: str = "") -> list[str]:
     plt.close(fig)
     written.append(str(path))
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
     series = {f"decision {s}": [c["latency_ms"] for c in run["cases_detail"] if c["error"] is None] for s, run in runs.items()}
     if chat and "cases_detail" in chat:
         series["chat"] = [c["latency_ms"] for c in chat["cases_detail"] if c["error"] is None]
     everything = [v for values in series.values() for v in values]
-    if everything:
-        bins = np.linspace(0, max(everything) * 1.05, 30)
-        for name, values in series.items():
+    if not everything:  # no client-side latency (e.g. a batch output read by semif-batch report): no plot
+        return written
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    bins = np.linspace(0, max(everything) * 1.05, 30)
+    for name, values in series.items():
+        if values:
             ax.hist(values, bins=bins, alpha=0.5, label=f"{name} (p50 {percentile(values, 50):.0f} ms)")
     ax.set_xlabel("client-side latency per case (ms)")
     ax.set_ylabel("cases")

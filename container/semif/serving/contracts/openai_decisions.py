@@ -187,6 +187,10 @@ def parse(body: Any, limits: Limits) -> Job:
         if key not in body:
             raise _bad(key, "is required", "missing_required_parameter")
     _require(body["model"], str, "model", "a string")
+    # Our extension: an optional record id, echoed at the top of the answer (joins batch output to input).
+    record_id = body.get("id")
+    if record_id is not None and (not isinstance(record_id, str) or not 1 <= len(record_id) <= 256):
+        raise _bad("id", "must be a string of 1 to 256 characters")
     for key in ("prompt_cache_key", "safety_identifier"):
         if body.get(key) is not None:
             _require(body[key], str, key, "a string")
@@ -203,7 +207,9 @@ def parse(body: Any, limits: Limits) -> Job:
 
     def render(result: ScoreResult, run: RunContext) -> dict:
         cached = result.cached_tokens
+        echoed = {"id": record_id} if record_id is not None else {}
         return {
+            **echoed,
             "answers": [_answer(spec, dist) for (_, spec), dist in zip(parsed, result.distributions)],
             "model": run.served_model_name,
             "usage": {

@@ -73,6 +73,8 @@ AnyQuestion = Annotated[Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], Fiel
 
 
 class SystemOneRequest(_Lenient):
+    # Our extension: an optional record id, echoed at the top of the answer (joins batch output to input).
+    id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     model: str = MODEL_ALIAS
     state: Content
     questions: dict[str, AnyQuestion] = Field(min_length=1)
@@ -199,7 +201,9 @@ def parse(body: Any, limits: Limits) -> Job:
         for qid, q, dist, opt_hash in zip(ids, request.questions.values(), result.distributions, hashes):
             answers[qid] = _answer(q, dist, opt_hash)
         info = run.model
+        echoed = {"id": request.id} if request.id is not None else {}
         return {
+            **echoed,
             "model": run.served_model_name,
             "answers": answers,
             "usage": {"input_tokens": result.input_tokens, "output_tokens": 0},

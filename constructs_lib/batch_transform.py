@@ -1,0 +1,98 @@
+"""What a SageMaker Batch Transform job on the decision model needs: a Model (the endpoint's digest-pinned
+image, model data and adapter environment) whose execution role is the transform role.
+
+CreateTransformJob takes no role: a job runs with its Model's execution role. A Model of its own keeps
+the batch grants off the endpoint's role, and the role holds exactly what a job does: run the model
+(its data, its image, its log group and metrics namespace), read ``batch/<job>/in/``, write
+``batch/<job>/out/`` in the model bucket, and use the bucket's key. `semif-batch run` creates jobs
+on this Model (docs/batch.md).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from aws_cdk import ArnFormat, Stack, aws_iam as iam, aws_kms as kms, aws_s3 as s3, aws_sagemaker as sagemaker
+from constructs import Construct
+
+from constructs_lib.image_sources import ContainerImageSource
+from constructs_lib.model_bucket import BATCH_ROOT, grant_model_read
+from constructs_lib.nag import acknowledge_wildcard_resource
+from constructs_lib.serving_endpoint import _model_data
+
+TRANSFORM_LOG_GROUP = "/aws/sagemaker/TransformJobs"
+INPUT_PATTERN = f"{BATCH_ROOT}*/in/*"
+OUTPUT_PATTERN = f"{BATCH_ROOT}*/out/*"
+
+
+class BatchTransform(Construct):
+    def __init__(
+        self,
+        scope: Construct,
+        id_: str,
+        *,
+        image: ContainerImageSource,
+        model_bucket: s3.IBucket,
+        model_key: kms.IKey,
+        model_prefix: str,
+        environment: Mapping[str, str],
+    ) -> None:
+        super().__init__(scope, id_)
+        stack = Stack.of(self)
+        self.role = iam.Role(self, "TransformRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
+                             description="Execution role of the decision model's Batch Transform jobs")
+
+        # Run the model: the same grants as the endpoint's role.
+        object_pattern = grant_model_read(self.role, bucket=model_bucket, key=model_key, model_prefix=model_prefix)
+        if object_pattern.endswith("*"):
+            acknowledge_wildcard_resource(self.role, model_bucket.arn_for_objects(object_pattern),
+                                          "Reads the objects under this model's own prefix (GGUF and manifest), "
+                                          "whose file names the stack does not know.")
+        image_uri = image.bind(self, self.role)
+        log_streams = stack.format_arn(service="logs", resource="log-group", resource_name=f"{TRANSFORM_LOG_GROUP}:*",
+                                       arn_format=ArnFormat.COLON_RESOURCE_NAME)
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+            resources=[log_streams],
+        ))
+        acknowledge_wildcard_resource(self.role, log_streams, "SageMaker names one log stream per transform "
+                                      "instance and container at run time, inside the TransformJobs log group only.")
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["cloudwatch:PutMetricData"], resources=["*"],
+            conditions={"StringEquals": {"cloudwatch:namespace": "/aws/sagemaker/TransformJobs"}},
+        ))
+        acknowledge_wildcard_resource(self.role, "*", "Only ecr:GetAuthorizationToken and cloudwatch:PutMetricData "
+                                      "(namespace-conditioned) use '*': neither supports resource-level permissions.")
+
+        # Batch data: read the inputs, write the answers, nothing else in the bucket.
+        self.input_objects = model_bucket.arn_for_objects(INPUT_PATTERN)
+        self.output_objects = model_bucket.arn_for_objects(OUTPUT_PATTERN)
+        self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[self.input_objects]))
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["s3:ListBucket"], resources=[model_bucket.bucket_arn],
+            conditions={"StringLike": {"s3:prefix": [INPUT_PATTERN]}},
+        ))
+        self.role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject", "s3:AbortMultipartUpload"],
+                                                    resources=[self.output_objects]))
+        acknowledge_wildcard_resource(self.role, self.input_objects, "Transform jobs read the objects under "
+                                      "batch/<job>/in/; job names are chosen per run by semif-batch.")
+        acknowledge_wildcard_resource(self.role, self.output_objects, "Transform jobs write <object>.out under "
+                                      "batch/<job>/out/; job names are chosen per run by semif-batch.")
+        # Writing SSE-KMS objects needs a data key from the bucket's key (reading already has kms:Decrypt).
+        iam.Grant.add_to_principal(grantee=self.role, actions=["kms:GenerateDataKey"], resource_arns=[model_key.key_arn])
+
+        self.cfn_model = sagemaker.CfnModel(
+            self,
+            "Model",
+            execution_role_arn=self.role.role_arn,
+            enable_network_isolation=True,
+            primary_container=sagemaker.CfnModel.ContainerDefinitionProperty(
+                image=image_uri,
+                mode="SingleModel",
+                environment=dict(environment),
+                **_model_data(model_bucket.bucket_name, model_prefix),
+            ),
+        )
+        # SageMaker checks the role's access when it creates the model: policies must exist first.
+        self.cfn_model.node.add_dependency(self.role.node.find_child("DefaultPolicy"))
+        self.model_name = self.cfn_model.attr_model_name

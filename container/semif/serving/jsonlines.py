@@ -1,0 +1,239 @@
+"""JSON Lines on `POST /invocations`: the mini-batches of SageMaker Batch Transform (`SplitType=Line`,
+`BatchStrategy=MultiRecord`), and `GET /execution-parameters`, which tells a transform job how to call us.
+
+Each line is one request of any decision contract, detected per line as /invocations detects a JSON body.
+The answer has one line per input line, in order: the contract's answer, or an error object in that
+contract's error shape (plus the record's `id` where one is known; messages name the line within the
+mini-batch). One bad line never fails the others. Records run one after another on the one context, so
+consecutive lines that share a state reuse its prefix exactly as the questions of one request do.
+
+A mini-batch has a deadline (`SEMIF_BATCH_DEADLINE_S`): lines not started by then are answered with a
+`deadline_exceeded` error object each, never dropped. Only a refusal to compute at all (queue full,
+shutting down) fails the whole mini-batch with 503, so that Batch Transform retries it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from typing import Any, Optional
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from . import chat
+from .admission import Overloaded
+from .contracts import semif as semif_contract
+from .contracts.base import RequestError
+from .engine import EngineError, LabelError, PromptTooLong
+
+log = logging.getLogger("semif.http")
+
+CONTENT_TYPES = frozenset({"application/jsonlines", "application/x-ndjson"})
+MEDIA_TYPE = "application/jsonlines"
+MIB = 1 << 20
+
+
+def is_json_lines(content_type: Optional[str]) -> bool:
+    """`application/jsonlines; charset=utf-8` → True."""
+    return (content_type or "").split(";", 1)[0].strip().lower() in CONTENT_TYPES
+
+
+def max_payload_mb(settings) -> int:
+    """The body limit in whole MiB (at least 1): what a mini-batch may weigh."""
+    return max(1, settings.max_body_bytes // MIB)
+
+
+def execution_parameters(settings) -> dict:
+    """What Batch Transform asks `GET /execution-parameters` for when the job leaves them unset.
+
+    One llama.cpp context computes one record at a time, so a second concurrent mini-batch would only
+    wait in the admission queue (and interleave with the first, losing the prefix reuse of consecutive
+    lines that share a state): one at a time. A mini-batch weighs at most the body limit."""
+    return {"MaxConcurrentTransforms": 1, "BatchStrategy": "MULTI_RECORD", "MaxPayloadInMB": max_payload_mb(settings)}
+
+
+def as_request_error(error: Exception) -> RequestError:
+    """The engine's refusals as the 4xx/5xx a contract renders (the same mapping as a JSON request's)."""
+    if isinstance(error, RequestError):
+        return error
+    if isinstance(error, PromptTooLong):
+        return RequestError(413, error.code, str(error), error.field or "state", {"tokens": error.tokens, "n_ctx": error.n_ctx})
+    if isinstance(error, LabelError):
+        return RequestError(422, error.code, str(error), error.field or "options")
+    if isinstance(error, EngineError):
+        return RequestError(500, error.code, str(error), None)
+    return RequestError(500, "internal_error", "internal error; see the server log", None)
+
+
+def request_tokens(engine, job) -> int:
+    """Distinct prompt tokens of a parsed request (state prefix once, every question suffix), counted
+    before anything is evaluated: what `SEMIF_BATCH_MAX_REQUEST_TOKENS` bounds."""
+    scoring = job.scoring or engine.default_scoring
+    _, prefix = engine.prefix_segments(job.state_text)
+    total = sum(len(segment) for segment in prefix)
+    for question in job.questions:
+        labels = engine.labels.for_question(question).texts if scoring == "label" else None
+        total += len(engine.question_tokens(question, labels)[1])
+    return total
+
+
+def check_token_budget(engine, job, budget: int) -> None:
+    if budget <= 0:
+        return
+    tokens = request_tokens(engine, job)
+    if tokens > budget:
+        raise RequestError(413, "too_many_tokens", f"the record needs {tokens} prompt tokens; a batch record may use "
+                           f"{budget} (SEMIF_BATCH_MAX_REQUEST_TOKENS)", "<body>", {"tokens": tokens, "budget": budget})
+
+
+def _parse_line(raw: bytes, number: int) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, "invalid_json", f"line {number} is not UTF-8 (byte {exc.start})", "<line>") from None
+    if not text.strip():
+        raise RequestError(400, "invalid_json", f"line {number} is empty; send one JSON object per line", "<line>")
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise RequestError(400, "invalid_json", f"line {number}: the JSON is nested too deeply", "<line>") from None
+    except ValueError as exc:
+        raise RequestError(400, "invalid_json", f"line {number}: malformed JSON: {exc}", "<line>") from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def record_id(body: Any) -> Optional[str]:
+    """What joins an output line to its record: the top-level `id` (System One, OpenAI), else a single
+    SemIf decision's id."""
+    if not isinstance(body, dict):
+        return None
+    if isinstance(body.get("id"), str):
+        return body["id"]
+    decision = body.get("decision")
+    if isinstance(decision, dict) and isinstance(decision.get("id"), str):
+        return decision["id"]
+    return None
+
+
+def _error_line(contract, error: RequestError, body: Any) -> dict:
+    line = dict(contract.error_body(error))
+    rid = record_id(body)
+    if rid is not None:
+        line.setdefault("id", rid)
+    return line
+
+
+def split_lines(raw: bytes) -> list[bytes]:
+    """Records of a mini-batch: one per line; a final newline ends the last record, it does not add one."""
+    if not raw:
+        return []
+    lines = raw.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    return [line[:-1] if line.endswith(b"\r") else line for line in lines]
+
+
+async def read_raw(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(413, "body_too_large", f"mini-batch of {declared} bytes exceeds {max_bytes}", "<body>")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestError(413, "body_too_large", f"mini-batch exceeds {max_bytes} bytes", "<body>")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def handle(service, request: Request) -> Response:
+    """Answer one mini-batch: one line out per line in, in order."""
+    settings = service.settings
+    started = time.perf_counter()
+    deadline = started + settings.batch_deadline_s
+    request_id = request.headers.get("x-request-id") or request.headers.get("x-amzn-requestid") or uuid.uuid4().hex
+    headers = {"x-request-id": request_id}
+    fields: dict[str, Any] = {"request_id": request_id, "route": request.url.path, "contract": "jsonlines",
+                              "content_type": MEDIA_TYPE}
+    errors: Counter = Counter()
+    totals = Counter()
+    out: list[dict] = []
+    status = 200
+    try:
+        limit = max_payload_mb(settings) * MIB
+        raw = await asyncio.wait_for(read_raw(request, limit), service.body_timeout_s)
+        from .app import SAGEMAKER_ATTRIBUTES, _custom_attribute  # the same override header as a JSON request
+
+        override = _custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
+        lines = split_lines(raw)
+        for index, line in enumerate(lines):
+            number = index + 1
+            body, contract = None, semif_contract
+            try:
+                body = _parse_line(line, number)
+                found = service.contract_for(body, override)
+                if found is None:
+                    detail = ("chat completions are not answered in a JSON Lines batch; send decisions"
+                              if chat.matches(body) else
+                              "cannot tell the contract from the record: send 'decision'/'decisions' (SemIf), "
+                              "'questions' with 'state' (System One) or with 'input' (OpenAI Decisions)")
+                    raise RequestError(422, "unknown_body_shape", f"line {number}: {detail}", "<line>")
+                contract = found
+                if time.perf_counter() > deadline:
+                    raise RequestError(504, "deadline_exceeded", f"line {number} was not reached within the mini-batch "
+                                       f"deadline of {settings.batch_deadline_s:g} s (SEMIF_BATCH_DEADLINE_S); "
+                                       "resubmit it", "<line>")
+                status_of_line, answer, record_fields = await service.answer_record(
+                    body, contract, request_id=f"{request_id}:{number}",
+                    max_request_tokens=settings.batch_max_request_tokens)
+                if status_of_line != 200:
+                    errors[record_fields.get("error_code", "error")] += 1
+                    answer = dict(answer)
+                    rid = record_id(body)
+                    if rid is not None:
+                        answer.setdefault("id", rid)
+                for key in ("tokens", "cached_tokens", "evaluated_tokens"):
+                    totals[key] += record_fields.get(key) or 0
+                out.append(answer)
+            except RequestError as error:
+                errors[error.code] += 1
+                out.append(_error_line(contract, error, body))
+        fields.update(records=len(lines), answered=len(lines) - sum(errors.values()), errors=dict(errors),
+                      deadline_exceeded=errors.get("deadline_exceeded", 0), **totals)
+    except Overloaded as error:
+        # Nothing can be computed now: a 503 makes Batch Transform retry the whole mini-batch.
+        headers["retry-after"] = str(settings.retry_after_s)
+        status = 503
+        fields.update(status=503, error_code="overloaded", reason=error.reason)
+        return JSONResponse(semif_contract.error_body(RequestError(503, "overloaded", str(error), None)),
+                            status_code=503, headers=headers)
+    except asyncio.TimeoutError:
+        status = 408
+        fields.update(status=408, error_code="body_timeout")
+        error = RequestError(408, "body_timeout", f"the body did not arrive within {service.body_timeout_s:g} s", "<body>")
+        return JSONResponse(semif_contract.error_body(error), status_code=408, headers=headers)
+    except RequestError as error:  # the mini-batch as a whole (too large)
+        status = error.status
+        fields.update(status=status, error_code=error.code)
+        return JSONResponse(semif_contract.error_body(error), status_code=status, headers=headers)
+    except ClientDisconnect:
+        status = 499
+        fields.update(status=499, error_code="client_disconnected")
+        return Response(status_code=499)
+    finally:
+        fields.setdefault("status", status)
+        fields["total_ms"] = round((time.perf_counter() - started) * 1000, 3)
+        fields["model_sha256"] = service.engine.info["sha256"]
+        fields["template_version"] = service.engine.info["template_version"]
+        fields["image_digest"] = settings.image_digest
+        log.info("request", extra=fields)
+    body_text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in out)
+    return Response(body_text, status_code=200, media_type=MEDIA_TYPE, headers=headers)

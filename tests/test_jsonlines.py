@@ -1,0 +1,182 @@
+"""JSON Lines on /invocations (SageMaker Batch Transform's mini-batches) and /execution-parameters, on the
+real model, in-process: one answer line per record in order, errors in each contract's own shape, prefix
+reuse between consecutive records, the mini-batch deadline and token budget, and the record ids."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from starlette.testclient import TestClient
+
+from serving import make_settings
+
+JSONL = {"content-type": "application/jsonlines"}
+TICKET = "Order 1142 arrived broken and the customer wants a refund before Friday."
+
+
+def semif_line(state=TICKET, decision_id="queue", question="Which queue?", options=("billing", "shipping", "returns")):
+    return {"decision": {"id": decision_id, "state": state, "question": question,
+                         "options": [{"id": o} for o in options]}}
+
+
+def systemone_line(record_id=None, state=TICKET):
+    body = {"state": state, "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
+    return {"id": record_id, **body} if record_id else body
+
+
+def openai_line(record_id=None, state=TICKET):
+    body = {"model": "gpt-6-luna", "input": state,
+            "questions": [{"type": "choice", "name": "team", "instructions": "Which team?",
+                           "choices": [{"value": "billing"}, {"value": "logistics"}]}]}
+    return {"id": record_id, **body} if record_id else body
+
+
+def post_lines(client, lines, headers=JSONL):
+    payload = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    return client.post("/invocations", content=payload.encode(), headers=headers)
+
+
+def answer_lines(response) -> list[dict]:
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/jsonlines")
+    return [json.loads(line) for line in response.text.splitlines()]
+
+
+@pytest.fixture
+def app_with(engine, model_path):
+    """A separate app over the session's engine, with settings of the test's choosing."""
+    from semif.serving.app import create_app
+
+    clients = []
+
+    def _make(**overrides) -> TestClient:
+        client = TestClient(create_app(make_settings(model_path, **overrides), engine), raise_server_exceptions=False)
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield _make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def test_execution_parameters_are_derived_from_the_adapters_limits(client, app_with):
+    assert client.get("/execution-parameters").json() == {
+        "MaxConcurrentTransforms": 1, "BatchStrategy": "MULTI_RECORD", "MaxPayloadInMB": 1}
+    bigger = app_with(max_body_bytes=(6 << 20) + 12345)
+    assert bigger.get("/execution-parameters").json()["MaxPayloadInMB"] == 6
+
+
+def test_a_mini_batch_answers_every_line_in_order_with_bad_lines_as_errors_in_their_contracts_shape(client):
+    lines = [
+        semif_line(),
+        "{not json",
+        systemone_line("ticket-7"),
+        {"hello": "world"},
+        openai_line("ticket-8"),
+        {"state": TICKET, "questions": {"bad": {"type": "choice", "criteria": {"only": None}}}, "id": "ticket-9"},
+        {"model": "gpt-6-luna", "input": TICKET, "questions": [{"type": "predicate"}]},
+        {"decision": {"id": "broken", "state": TICKET, "question": "Which?", "options": [{"id": "a"}]}},
+        semif_line(decision_id="last"),
+    ]
+    out = answer_lines(post_lines(client, lines))
+    assert len(out) == len(lines)
+    assert out[0]["id"] == "queue" and out[0]["option_ids"] == ["billing", "shipping", "returns"]
+    assert out[1]["error"]["code"] == "invalid_json" and "line 2" in out[1]["error"]["message"]
+    assert out[2]["id"] == "ticket-7" and 0.0 <= out[2]["answers"]["urgent"]["noul"] <= 1.0
+    assert out[3]["error"]["code"] == "unknown_body_shape"
+    assert out[4]["id"] == "ticket-8" and out[4]["answers"][0]["choice"] in ("billing", "logistics")
+    # System One's validation error: FastAPI's detail list, and the record's id to join on.
+    assert out[5]["detail"][0]["loc"] == ["body", "questions", "bad", "criteria"] and out[5]["id"] == "ticket-9"
+    # OpenAI's error shape: {"error": {"message", "type", "param", "code"}}.
+    assert out[6]["error"]["param"] == "questions[0].instructions" and out[6]["error"]["type"] == "invalid_request_error"
+    assert out[7]["error"]["field"].startswith("decision.options") and out[7]["id"] == "broken"
+    assert out[8]["id"] == "last"
+    # An answer line is the same answer the JSON path gives.
+    single = client.post("/invocations", json=lines[0]).json()
+    assert single["probabilities"] == out[0]["probabilities"] and single["choice"] == out[0]["choice"]
+
+
+def test_x_ndjson_is_json_lines_too_and_a_final_newline_adds_no_record(client):
+    response = client.post("/invocations", content=(json.dumps(semif_line()) + "\n").encode(),
+                           headers={"content-type": "application/x-ndjson; charset=utf-8"})
+    assert [line["id"] for line in answer_lines(response)] == ["queue"]
+
+
+def test_consecutive_lines_that_share_a_state_reuse_its_prefix(client, engine):
+    state = f"{TICKET} Reference {uuid.uuid4().hex}."  # a state no earlier test put in the context
+    other = f"A different customer asks about invoice {uuid.uuid4().hex}."
+    lines = [semif_line(state, "queue"), semif_line(state, "urgent", "Is it urgent?", ("yes", "no")),
+             semif_line(state, "tone", "Customer tone?", ("calm", "angry")), semif_line(other, "queue")]
+    out = answer_lines(post_lines(client, lines))
+    _, segments = engine.prefix_segments(state)
+    state_prefix = sum(len(s) for s in segments)
+    head = len(segments[0])
+    first, second, third, distinct = (line["prompt"] for line in out)
+    assert first["cached_tokens"] <= head < state_prefix  # at most the constant template head was held
+    for reused in (second, third):
+        assert reused["cached_tokens"] == state_prefix
+        assert reused["evaluated_tokens"] == reused["tokens"] - state_prefix
+    assert distinct["cached_tokens"] < state_prefix
+
+
+def test_lines_not_reached_before_the_mini_batch_deadline_are_answered_with_errors(app_with):
+    client = app_with(batch_deadline_s=0.001)
+    # Real work on a state never seen: the first record alone outlasts a 1 ms deadline.
+    lines = [semif_line(f"{TICKET} {uuid.uuid4().hex}"), systemone_line("late-1"), openai_line("late-2"), semif_line()]
+    out = answer_lines(post_lines(client, lines))
+    assert len(out) == 4
+    assert out[1]["detail"]["code"] == "deadline_exceeded" and out[1]["id"] == "late-1"
+    assert out[2]["error"]["code"] == "deadline_exceeded" and out[2]["id"] == "late-2"
+    assert out[3]["error"]["code"] == "deadline_exceeded" and "SEMIF_BATCH_DEADLINE_S" in out[3]["error"]["message"]
+
+
+def test_a_record_over_the_batch_token_budget_is_refused_and_the_others_answered(app_with, engine):
+    from semif.serving.contracts import semif as semif_contract
+    from semif.serving.contracts.base import Limits
+    from semif.serving.jsonlines import request_tokens
+
+    short = semif_line("Short ticket.")
+    budget = request_tokens(engine, semif_contract.parse(short, Limits(255, 400)))
+    client = app_with(batch_max_request_tokens=budget)
+    long_state = "The parcel was damaged in transit and " * 20
+    out = answer_lines(post_lines(client, [semif_line(long_state), short]))
+    assert out[0]["error"]["code"] == "too_many_tokens" and "SEMIF_BATCH_MAX_REQUEST_TOKENS" in out[0]["error"]["message"]
+    assert out[1]["prompt"]["tokens"] == budget
+
+
+def test_a_mini_batch_that_cannot_be_admitted_is_refused_whole_with_503_so_sagemaker_retries(app_with):
+    client = app_with()
+    client.app.state.service.admission.draining = True
+    response = post_lines(client, [semif_line(), semif_line()])
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "overloaded"
+
+
+def test_a_mini_batch_over_the_payload_limit_is_413(app_with):
+    client = app_with(max_body_bytes=1024)  # MaxPayloadInMB is then 1: the floor
+    response = client.post("/invocations", content=b"x" * ((1 << 20) + 1), headers=JSONL)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+
+def test_json_requests_echo_an_optional_record_id_for_system_one_and_openai(client):
+    assert client.post("/invocations", json=systemone_line("s1-42")).json()["id"] == "s1-42"
+    assert client.post("/v1/decisions", json=openai_line("oa-42")).json()["id"] == "oa-42"
+    assert "id" not in client.post("/v1/decisions", json=openai_line()).json()
+    bad_s1 = client.post("/v1/systemone", json={**systemone_line(), "id": 7})
+    assert bad_s1.status_code == 422 and bad_s1.json()["detail"][0]["loc"] == ["body", "id"]
+    bad_oa = client.post("/v1/decisions", json={**openai_line(), "id": ""})
+    assert bad_oa.status_code == 400 and bad_oa.json()["error"]["param"] == "id"
+
+
+def test_batch_settings_come_from_their_own_variables(model_path):
+    from semif.serving.config import Settings, SettingsError
+
+    env = {"SEMIF_MODEL_PATH": str(model_path)}
+    assert (Settings.from_env(env).batch_deadline_s, Settings.from_env(env).batch_max_request_tokens) == (3300.0, 0)
+    tuned = Settings.from_env({**env, "SEMIF_BATCH_DEADLINE_S": "120", "SEMIF_BATCH_MAX_REQUEST_TOKENS": "8192"})
+    assert (tuned.batch_deadline_s, tuned.batch_max_request_tokens) == (120.0, 8192)
+    with pytest.raises(SettingsError, match="SEMIF_BATCH_DEADLINE_S"):
+        Settings.from_env({**env, "SEMIF_BATCH_DEADLINE_S": "soon"})
