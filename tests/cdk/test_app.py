@@ -281,8 +281,7 @@ def test_one_digest_per_variant_is_promoted_to_every_stage_of_that_variant(pipel
     images = {}
     for name, template in templates(pipeline_assembly[1]).items():
         if name.endswith("-decision"):
-            (model,) = [r for r in template["Resources"].values() if r["Type"] == "AWS::SageMaker::Model"]
-            images[name] = _rendered(model["Properties"]["PrimaryContainer"]["Image"])
+            images[name] = _rendered(_model(Template.from_json(template))["Image"])
     assert images == {"semif-dev-decision": f"{CENTRAL_REPOSITORY}@{CPU_DIGEST}",
                       "semif-staging-decision": f"{CENTRAL_REPOSITORY}@{GPU_DIGEST}",
                       "semif-prod-decision": f"{CENTRAL_REPOSITORY}@{GPU_DIGEST}"}

@@ -115,7 +115,7 @@ def test_the_decision_stack_publishes_the_batch_model_role_and_default_instance_
     assert params["/semif/dev/decision/batch-model-name"] == {"Fn::GetAtt": [batch_model, "ModelName"]}
     role_id = template["Resources"][batch_model]["Properties"]["ExecutionRoleArn"]["Fn::GetAtt"][0]
     assert params["/semif/dev/decision/batch-role-arn"] == {"Fn::GetAtt": [role_id, "Arn"]}
-    assert params["/semif/dev/decision/batch-instance-type"] == "ml.c6i.8xlarge"
+    assert params["/semif/dev/decision/batch-instance-type"] == "ml.c6i.xlarge"  # dev's endpoint type
     # The same image (by digest) and model data as the endpoint's Model.
     endpoint_model = next(k for k in models if k != batch_model)
     containers = [template["Resources"][k]["Properties"]["PrimaryContainer"] for k in (batch_model, endpoint_model)]

@@ -100,13 +100,14 @@ def test_every_endpoint_stack_creates_its_model_only_after_the_model_check(reque
     for stack in endpoint_stacks:
         resources = stack.template["Resources"]
         (check_id,) = [k for k, r in resources.items() if r["Type"] == RESOURCE_TYPE]
-        (model,) = [r for r in resources.values() if r["Type"] == "AWS::SageMaker::Model"]
-        assert check_id in model["DependsOn"], stack.stack_name
-        container = model["Properties"]["PrimaryContainer"]
-        served = container["ModelDataSource"]["S3DataSource"]["S3Uri"]
+        models = [r for r in resources.values() if r["Type"] == "AWS::SageMaker::Model"]
+        assert models, stack.stack_name
         check = resources[check_id]["Properties"]
-        # The check reads exactly what the Model serves.
-        assert served == f"s3://{check['Bucket']}/{check['ModelPrefix']}", stack.stack_name
+        for model in models:  # the endpoint's, and in decision stacks Batch Transform's
+            assert check_id in model["DependsOn"], stack.stack_name
+            served = model["Properties"]["PrimaryContainer"]["ModelDataSource"]["S3DataSource"]["S3Uri"]
+            # The check reads exactly what the Model serves.
+            assert served == f"s3://{check['Bucket']}/{check['ModelPrefix']}", stack.stack_name
         (function,) = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::Lambda::Function"]
         assert function["Runtime"] == "python3.14"
 
