@@ -115,6 +115,39 @@ def _check_tree(value: Any, *, surrogates: bool) -> None:
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_JSON_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{},:]')
+
+
+def _too_deep_at(text: str) -> Optional[list]:
+    """The path where ``text`` first nests deeper than MAX_JSON_DEPTH, or None. One linear scan over
+    strings and brackets, before json.loads: the parser would hit Python's recursion limit first
+    (~1,000 levels) and could only blame the whole body, not the field."""
+    frames: list[list] = []  # per open container: [is_object, key or index, expecting_key]
+    pending_key: Any = None
+    for match in _JSON_STRUCTURE.finditer(text):
+        token = match.group()
+        if token in "[{":
+            if len(frames) >= MAX_JSON_DEPTH:
+                return [frame[1] for frame in frames]
+            frames.append([token == "{", 0 if token == "[" else None, token == "{"])
+        elif token in "]}":
+            if frames:
+                frames.pop()
+        elif token == ",":
+            if frames:
+                if frames[-1][0]:
+                    frames[-1][2] = True
+                else:
+                    frames[-1][1] += 1
+        elif token == ":":
+            if frames and frames[-1][0]:
+                frames[-1][1], frames[-1][2] = pending_key, False
+        elif frames and frames[-1][0] and frames[-1][2]:  # a string in key position
+            try:
+                pending_key = json.loads(token)
+            except ValueError:
+                pending_key = token[1:-1]
+    return None
 
 
 def parse_json(raw: bytes) -> Any:
@@ -125,6 +158,9 @@ def parse_json(raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RequestError(400, "invalid_json", f"the body is not UTF-8 (byte {exc.start})", "<body>") from None
+    deep = _too_deep_at(text)
+    if deep is not None:
+        raise RequestError(400, "too_deep", f"the JSON is nested more than {MAX_JSON_DEPTH} levels deep", _json_path(deep))
     try:
         body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
         _check_tree(body, surrogates=_SURROGATE_ESCAPE.search(text) is not None)

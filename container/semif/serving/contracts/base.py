@@ -19,7 +19,10 @@ ECHO_PART = 64  # one echoed value (an id, a type name, a key) inside a message 
 def excerpt(value: Any, limit: int = ECHO_PART) -> str:
     """A client-supplied value as it may appear in an error: at most ``limit`` characters."""
     text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    # A lone surrogate (a JSON key such as "\\ud800") cannot be encoded into the UTF-8 response: escape it.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class RequestError(Exception):
