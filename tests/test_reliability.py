@@ -282,10 +282,14 @@ def test_a_long_request_whose_client_disconnects_stops_within_about_one_question
 
 
 def test_a_request_past_its_deadline_gets_a_json_504_and_the_next_is_served_promptly(start_serve):
-    server = _serve(start_serve, SEMIF_REQUEST_DEADLINE_S=1.5)
+    """SEMIF_REQUEST_DEADLINE_S: the 400-question request (~400 x one question of work) stops at the deadline."""
+    deadline_s = 8.0  # long enough for the 3-question sample below even on a loaded machine
+    server = _serve(start_serve, SEMIF_REQUEST_DEADLINE_S=deadline_s)
     url = server.base_url + "/invocations"
     with httpx.Client(timeout=120) as http:
-        sample = http.post(url, json={"state": LONG_TICKET, "decisions": MANY_QUESTIONS[:20]}).json()
+        sample = http.post(url, json={"state": LONG_TICKET, "decisions": MANY_QUESTIONS[:3]})
+    assert sample.status_code == 200, sample.text[:300]
+    sample = sample.json()
     # what one question costs on this machine now, its state prefix included (the 400-question request
     # below shares the sample's state, so its prefix is cached: each question costs about this much)
     per_question_s = max(r["timing"]["compute_ms"] for r in sample["results"]) / 1000
@@ -297,7 +301,7 @@ def test_a_request_past_its_deadline_gets_a_json_504_and_the_next_is_served_prom
     assert error["code"] == "deadline_exceeded" and "SEMIF_REQUEST_DEADLINE_S" in error["message"]
     # the deadline plus the question running when it passed (with slack for a loaded machine),
     # not the 400 x per_question_s that all questions take
-    assert late_s < 1.5 + 3 * per_question_s + 2, (late_s, per_question_s)
+    assert late_s < deadline_s + 3 * per_question_s + 2, (late_s, per_question_s)
     probe = httpx.post(url, json=_decision(0), timeout=60)
     assert probe.status_code == 200 and probe.json()["timing"]["queue_ms"] < 1000 * per_question_s + 500
     line = [l for l in _request_lines(server) if l.get("status") == 504][0]
