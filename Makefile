@@ -19,6 +19,8 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 run: setup
 	SEMIF_HOST=$${SEMIF_HOST:-127.0.0.1} $(VENV)/bin/serve --example
 
+# Test order is shuffled (pytest-randomly, from requirements-dev.txt); the header prints the seed. Rerun one
+# order with `.venv/bin/python -m pytest --randomly-seed=N`. Tests marked `gemma` are deselected (pytest.ini).
 test: setup
 	$(PY) -m pytest
 

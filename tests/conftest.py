@@ -18,11 +18,25 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(model_path):
+    """The session's engine, label memo off: every answer a test compares is computed, never recalled.
+    Tests of the memo itself switch it on for their duration (`memo_on`) and say "memo" in their name."""
     from semif.serving.engine import Engine
 
-    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2)
+    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False)
     yield eng
     eng.close()
+
+
+@pytest.fixture
+def memo_on(engine):
+    """The label memo switched on for one test, emptied before and after."""
+    engine._label_memo.clear()
+    engine.label_memo = True
+    try:
+        yield engine
+    finally:
+        engine.label_memo = False
+        engine._label_memo.clear()
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +67,8 @@ def start_serve(tmp_path, model_path):
             SEMIF_PORT=str(port),
             SEMIF_MODEL_PATH=str(model_path),
             SEMIF_MODEL_DIR=str(tmp_path / "no-model-dir"),
-            SEMIF_N_CTX="4096",
+            # Default context size (what a user's `make run` gets); memo off so that compared answers are computed.
+            SEMIF_LABEL_MEMO="0",
         )
         env.update({k: str(v) for k, v in env_overrides.items()})
         proc = ServeProcess(env, port, tmp_path / f"serve-{port}.log")

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLE_DECISIONS = REPO.parent / "shared" / "data" / "decisions-sample.jsonl"
+SAMPLE_DECISIONS = REPO / "data" / "decisions-sample.jsonl"  # inside the repository: a user's clone has it
 SERVE = Path(sys.executable).with_name("serve")
 
 

@@ -41,6 +41,7 @@ def server(tmp_path_factory, model_path):
         SEMIF_N_CTX="2048", SEMIF_MAX_QUEUE="64", SEMIF_MODEL_ALIAS="smollm2-test",
         # one thread: llama.cpp's spinning thread pool degrades badly on a shared 2-core machine
         SEMIF_N_THREADS="1", SEMIF_QUEUE_TIMEOUT_S="600",
+        SEMIF_LABEL_MEMO="0",  # decisions compared across chat turns are computed, never recalled
     )
     proc = ServeProcess(env, port, tmp_path_factory.mktemp("chat") / "serve.log").wait_ready()
     yield proc
@@ -61,6 +62,7 @@ def _chat(oai, **overrides):
 def _decide(base_url: str, body: dict = DECISION) -> dict:
     response = httpx.post(base_url + "/invocations", json=body, timeout=120)
     assert response.status_code == 200, response.text
+    assert response.json()["prompt"]["evaluated_tokens"] > 0  # computed now, not recalled
     return response.json()
 
 
@@ -151,6 +153,7 @@ def test_decisions_after_chat_equal_decisions_before_it(oai, server):
     before = _decide(server.base_url)
     _chat(oai, max_tokens=20)
     after = _decide(server.base_url)
+    assert after["prompt"]["cached_tokens"] == 0  # chat emptied the context: the state was evaluated again
     np.testing.assert_allclose(after["probabilities"], before["probabilities"], rtol=0, atol=1e-6)
     np.testing.assert_allclose(after["option_logits"], before["option_logits"], rtol=0, atol=1e-4)
 
@@ -229,7 +232,7 @@ def test_interleaved_chat_and_decisions_under_load_never_corrupt_each_other(oai,
         if kind == "decision":
             assert result.status_code == 200, result.text
             body = result.json()
-            assert body["id"] == f"d{i % 6}"
+            assert body["id"] == f"d{i % 6}" and body["prompt"]["evaluated_tokens"] > 0
             np.testing.assert_allclose(body["probabilities"], serial[i % 6], rtol=0, atol=1e-6)
             decisions += 1
         else:

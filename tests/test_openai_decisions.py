@@ -23,6 +23,8 @@ def decide(client, questions, input=INPUT, path="/v1/decisions", model="gpt-6-lu
 
 def answers_of(response):
     assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] < usage["input_tokens"]  # computed now (memo off)
     return response.json()["answers"]
 
 
@@ -34,9 +36,12 @@ def test_predicate_is_the_engines_probability_of_yes(client, engine):
     assert set(body) == {"answers", "model", "usage"}
     answer = body["answers"][0]
     assert answer == {"type": "predicate", "name": "refund", "probability": answer["probability"]}
+    assert body["usage"]["input_tokens_details"]["cached_tokens"] < body["usage"]["input_tokens"]
     job = openai_decisions.parse({"model": "m", "input": INPUT, "questions": [PREDICATE]}, Limits(255, 400))
     engine.invalidate()  # a cold run: the reference the cached runs must equal
-    expected = engine.score(job.state_text, job.questions).distributions[0].probabilities[0]
+    cold = engine.score(job.state_text, job.questions)
+    assert cold.evaluated_tokens == cold.input_tokens
+    expected = cold.distributions[0].probabilities[0]
     assert math.isclose(answer["probability"], expected, abs_tol=1e-4)
 
 

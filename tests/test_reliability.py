@@ -5,6 +5,7 @@ results and commands are in docs/reliability.md."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import shutil
@@ -153,12 +154,159 @@ def test_overload_answers_only_200_or_503_and_every_200_equals_its_serial_answer
         else:
             body = response.json()
             assert body["id"] == f"d{i}"
+            assert body["prompt"]["evaluated_tokens"] > 0  # computed under load, not recalled (memo off)
             np.testing.assert_allclose(body["probabilities"], serial[i], rtol=0, atol=1e-6)
     logged = _request_lines(server)
     assert len(logged) == len(bodies) + len(answers)  # every request sent was answered and logged
     assert sorted(line["status"] for line in logged[len(bodies):]) == sorted(statuses)
     assert len(ping_ms) >= 10
     assert np.percentile(ping_ms, 95) < 100, sorted(ping_ms)[-5:]
+
+
+async def _exchange(reader, writer, method: str, path: str, body: bytes | None = None) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 request on an open keep-alive connection: (status, headers, body)."""
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    if body is not None:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    writer.write((head + "\r\n").encode() + (body or b""))
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers, await reader.readexactly(int(headers.get("content-length", "0")))
+
+
+async def _crowd(port: int, *, idle: int, active: int, seconds: float, bodies: list[bytes]) -> dict:
+    """``idle`` keep-alive connections that only ping now and then, ``active`` clients sending decisions
+    as fast as they are answered, and one pinger, all at once for ``seconds``."""
+    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(idle)]
+    # Every idle connection is open before any of them speaks: the server holds `idle` connections.
+    first_pings = await asyncio.gather(*(_exchange(r, w, "GET", "/ping") for r, w in connections))
+    stop = asyncio.Event()
+    idle_pings, decisions, pings_ms = [s for s, _, _ in first_pings], [], []
+
+    async def keep_alive(reader, writer):
+        while not stop.is_set():
+            await asyncio.sleep(1.0)  # well inside uvicorn's 5 s keep-alive
+            idle_pings.append((await _exchange(reader, writer, "GET", "/ping"))[0])
+
+    async def client(c: int):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        k = 0
+        while not stop.is_set():
+            i = (c + k) % len(bodies)
+            decisions.append((i, *await _exchange(reader, writer, "POST", "/invocations", bodies[i])))
+            k += 1
+        writer.close()
+
+    async def pinger():
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while not stop.is_set():
+            started = time.perf_counter()
+            status = (await _exchange(reader, writer, "GET", "/ping"))[0]
+            pings_ms.append((status, (time.perf_counter() - started) * 1000))
+            await asyncio.sleep(0.05)
+        writer.close()
+
+    tasks = [asyncio.ensure_future(keep_alive(r, w)) for r, w in connections]
+    tasks += [asyncio.ensure_future(client(c)) for c in range(active)] + [asyncio.ensure_future(pinger())]
+    await asyncio.sleep(seconds)
+    stop.set()
+    await asyncio.gather(*tasks)
+    for _, writer in connections:
+        writer.close()
+    return {"idle_pings": idle_pings, "decisions": decisions, "pings": pings_ms}
+
+
+def test_two_hundred_connections_get_only_200_or_json_503_with_retry_after_and_ping_always_answers(start_serve):
+    server = _serve(start_serve, SEMIF_MAX_QUEUE=2, SEMIF_RETRY_AFTER_S=1)
+    url = server.base_url + "/invocations"
+    bodies = [_decision(i) for i in range(4)]
+    with httpx.Client(timeout=60) as http:
+        serial = [http.post(url, json=b).json()["probabilities"] for b in bodies]
+    crowd = asyncio.run(_crowd(server.port, idle=200, active=40, seconds=4.0, bodies=[json.dumps(b).encode() for b in bodies]))
+
+    idle_pings, decisions, pings = crowd["idle_pings"], crowd["decisions"], crowd["pings"]
+    assert len(idle_pings) >= 400 and set(idle_pings) == {200}  # 200 keep-alives pinged at least twice each
+    assert pings and {status for status, _ in pings} == {200}
+    statuses = [status for _, status, _, _ in decisions]
+    assert set(statuses) <= {200, 503}, sorted(set(statuses))
+    assert statuses.count(200) > 0 and statuses.count(503) > 0, "a queue of 2 under 40 clients must refuse some"
+    for i, status, headers, raw in decisions:
+        body = json.loads(raw)  # every answer is JSON, refusals included
+        if status == 503:
+            assert headers["retry-after"] == "1" and body["error"]["code"] == "overloaded"
+        else:
+            assert body["id"] == f"d{i}" and body["prompt"]["evaluated_tokens"] > 0
+            np.testing.assert_allclose(body["probabilities"], serial[i], rtol=0, atol=1e-6)
+    print(f"connections: 200 idle + 40 active + 1 pinger; decisions {len(statuses)} "
+          f"(200: {statuses.count(200)}, 503: {statuses.count(503)}); idle pings {len(idle_pings)}; "
+          f"/ping p95 {np.percentile([ms for _, ms in pings], 95):.1f} ms, max {max(ms for _, ms in pings):.1f} ms")
+
+
+# ---- abandoned work -----------------------------------------------------------------------------
+
+MANY_QUESTIONS = [{"id": f"q{k}", "question": f"Does point {k} of the ticket concern billing?",
+                   "options": [{"id": "yes"}, {"id": "no"}]} for k in range(400)]
+LONG_TICKET = "The customer lists many points about invoices, deliveries and logins. " * 4
+
+
+def test_a_long_request_whose_client_disconnects_stops_within_about_one_question(start_serve):
+    server = _serve(start_serve)
+    url = server.base_url + "/invocations"
+    with httpx.Client(timeout=120) as http:
+        sample = http.post(url, json={"state": LONG_TICKET + "(sample)", "decisions": MANY_QUESTIONS[:20]}).json()
+    per_question_ms = float(np.median([r["timing"]["compute_ms"] for r in sample["results"]]))
+    body = json.dumps({"state": LONG_TICKET, "decisions": MANY_QUESTIONS}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(_post_head("/invocations", len(body)) + body)
+        time.sleep(2.0)  # the model is well into the 400 questions (~{400 x per_question_ms} ms of work)
+    gone = time.monotonic()
+    probe = httpx.post(url, json=_decision(0), timeout=120)
+    waited_s = time.monotonic() - gone
+    assert probe.status_code == 200
+    queue_ms = probe.json()["timing"]["queue_ms"]
+    # The abandoned request gave the model back between two questions (plus the 50 ms disconnect poll),
+    # not after the ~400 x per_question_ms it had left.
+    assert queue_ms < 5 * per_question_ms + 500, (queue_ms, per_question_ms)
+    deadline = time.monotonic() + 10
+    while not [l for l in _request_lines(server) if l.get("status") == 499] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    abandoned = [line for line in _request_lines(server) if line.get("status") == 499]
+    assert abandoned and abandoned[0]["questions_done"] < 400
+    print(f"per question {per_question_ms:.1f} ms; the probe waited {queue_ms:.0f} ms for the model "
+          f"({waited_s * 1000:.0f} ms end to end); the abandoned request stopped after "
+          f"{abandoned[0]['questions_done']} of 400 questions")
+
+
+def test_a_request_past_its_deadline_gets_a_json_504_and_the_next_is_served_promptly(start_serve):
+    """SEMIF_REQUEST_DEADLINE_S: the 400-question request (~400 x one question of work) stops at the deadline."""
+    deadline_s = 8.0  # long enough for the 3-question sample below even on a loaded machine
+    server = _serve(start_serve, SEMIF_REQUEST_DEADLINE_S=deadline_s)
+    url = server.base_url + "/invocations"
+    with httpx.Client(timeout=120) as http:
+        sample = http.post(url, json={"state": LONG_TICKET, "decisions": MANY_QUESTIONS[:3]})
+    assert sample.status_code == 200, sample.text[:300]
+    sample = sample.json()
+    # what one question costs on this machine now, its state prefix included (the 400-question request
+    # below shares the sample's state, so its prefix is cached: each question costs about this much)
+    per_question_s = max(r["timing"]["compute_ms"] for r in sample["results"]) / 1000
+    started = time.monotonic()
+    late = httpx.post(url, json={"state": LONG_TICKET, "decisions": MANY_QUESTIONS}, timeout=120)
+    late_s = time.monotonic() - started
+    assert late.status_code == 504, late.text[:300]
+    error = late.json()["error"]
+    assert error["code"] == "deadline_exceeded" and "SEMIF_REQUEST_DEADLINE_S" in error["message"]
+    # the deadline plus the question running when it passed (with slack for a loaded machine),
+    # not the 400 x per_question_s that all questions take
+    assert late_s < deadline_s + 3 * per_question_s + 2, (late_s, per_question_s)
+    probe = httpx.post(url, json=_decision(0), timeout=60)
+    assert probe.status_code == 200 and probe.json()["timing"]["queue_ms"] < 1000 * per_question_s + 500
+    line = [l for l in _request_lines(server) if l.get("status") == 504][0]
+    assert 0 < line["questions_done"] < 400
+    print(f"504 after {late_s:.2f} s ({line['questions_done']} of 400 questions done; one question {per_question_s:.2f} s)")
 
 
 # ---- faults -------------------------------------------------------------------------------------
@@ -238,7 +386,8 @@ def test_clients_that_disconnect_mid_request_leave_later_answers_correct(start_s
 
 
 def test_sigterm_under_load_finishes_in_flight_refuses_new_and_exits_0(start_serve):
-    server = _serve(start_serve, SEMIF_MAX_QUEUE=8, SEMIF_QUEUE_TIMEOUT_S=300)
+    # A deadline past the queue timeout: this test is about the drain, not about SEMIF_REQUEST_DEADLINE_S.
+    server = _serve(start_serve, SEMIF_MAX_QUEUE=8, SEMIF_QUEUE_TIMEOUT_S=300, SEMIF_REQUEST_DEADLINE_S=600)
     url = server.base_url + "/invocations"
     in_flight_bodies = [
         _decision(i, " ".join(f"Note {i}.{k}: the shipment was delayed again at the depot." for k in range(20)))
@@ -324,8 +473,8 @@ def test_hostile_bodies_get_4xx_in_bounded_memory_and_the_server_keeps_serving(s
     thousands = json.dumps({"decision": {**_decision(0)["decision"], "options": [{"id": f"o{k}"} for k in range(5000)]}}).encode()
     cases = [
         (_post_head("/invocations", 6) + b'{"\xff\xfe":', 400, "<body>"),
-        (_post_head("/invocations", 200_000) + b"[" * 100_000 + b"]" * 100_000, 400, "<body>"),
-        (_post_head("/invocations", 500_000) + b'{"a":' * 100_000, 400, "<body>"),
+        (_post_head("/invocations", 200_000) + b"[" * 100_000 + b"]" * 100_000, 400, "[0][0][0][0][0][0][0][0]…"),
+        (_post_head("/invocations", 500_000) + b'{"a":' * 100_000, 400, "a.a.a.a.a.a.a.a…"),
         (_post_head("/invocations", len(ten_mb)) + ten_mb, 413, "<body>"),
         (_post_head("/invocations", None, chunked=True) + chunked(ten_mb), 413, "<body>"),
         (_post_head("/v1/chat/completions", len(ten_mb)) + ten_mb, 413, "<body>"),

@@ -55,18 +55,24 @@ def test_label_logits_equal_an_independent_recomputation_on_the_prompt_text(engi
     np.testing.assert_allclose(dist.option_logits, recomputed, atol=2e-3)
 
 
+def _computed(result):
+    """Every distribution of ``result`` came out of the model now, not from remembered logits."""
+    assert result.evaluated_tokens > 0
+    assert all(d.evaluated_tokens > 0 for d in result.distributions)
+    return result
+
+
 def test_prefix_cache_on_equals_cache_off(engine):
     questions = [ROUTE, PRIORITY, IS_ACCOUNT]
     engine.prefix_cache = False
     try:
-        cold = engine.score(STATE, questions)
+        cold = _computed(engine.score(STATE, questions))
         assert cold.cached_tokens == 0
     finally:
         engine.prefix_cache = True
     engine.score("A different customer asks about an invoice.", [ROUTE])  # leaves only the system head reusable
-    after_other_state = engine.score(STATE, questions)
-    engine._label_memo.clear()  # exercise the context's segment reuse, not the remembered logits
-    repeat = engine.score(STATE, questions)  # the whole state prefix is reusable
+    after_other_state = _computed(engine.score(STATE, questions))
+    repeat = _computed(engine.score(STATE, questions))  # the whole state prefix is reusable
     assert 0 < after_other_state.cached_tokens < after_other_state.state_tokens
     assert repeat.cached_tokens == repeat.state_tokens
     for run in (after_other_state, repeat):
@@ -75,7 +81,8 @@ def test_prefix_cache_on_equals_cache_off(engine):
             np.testing.assert_allclose(warm.probabilities, reference.probabilities, atol=1e-6)
 
 
-def test_identical_prompt_is_answered_from_remembered_logits_without_evaluation(engine):
+def test_memo_answers_an_identical_prompt_from_remembered_logits_without_evaluation(memo_on):
+    engine = memo_on
     first = engine.score(STATE, [ROUTE]).distributions[0]
     engine.score("Something else entirely about a parcel.", [ROUTE])  # the context moves on
     again = engine.score(STATE, [ROUTE]).distributions[0]
@@ -90,15 +97,31 @@ def test_identical_prompt_is_answered_from_remembered_logits_without_evaluation(
     np.testing.assert_allclose(cold.probabilities, again.probabilities, atol=1e-6)
 
 
+def test_memo_hit_then_a_reevaluated_prefix_reports_only_the_tokens_really_reused(memo_on):
+    engine = memo_on
+    engine.score(STATE, [ROUTE])  # remembered
+    engine.score("Something else entirely about a parcel.", [ROUTE])  # the context now holds another state
+    result = engine.score(STATE, [ROUTE, PRIORITY])
+    remembered, computed = result.distributions
+    assert remembered.evaluated_tokens == 0  # question 0: from the memo
+    assert computed.evaluated_tokens > 0  # question 1 had to evaluate the state again
+    head = len(engine.plan(STATE, []).prefix_segments[0])
+    assert result.state_cached_tokens == head  # only the system head was in the context
+    route_suffix = remembered.tokens - result.state_tokens
+    assert result.cached_tokens == head + route_suffix  # not the whole prefix, as question 0 alone suggests
+    assert result.state_cached_tokens < result.state_tokens
+
+
 def test_sequence_scoring_with_cache_equals_without(engine):
     engine.prefix_cache = False
     try:
-        cold = engine.score(STATE, [ROUTE, PRIORITY], scoring="sequence").distributions
+        cold = _computed(engine.score(STATE, [ROUTE, PRIORITY], scoring="sequence")).distributions
     finally:
         engine.prefix_cache = True
     engine.score(STATE, [IS_ACCOUNT], scoring="sequence")
-    warm = engine.score(STATE, [ROUTE, PRIORITY], scoring="sequence").distributions
-    for a, b in zip(warm, cold):
+    warm = _computed(engine.score(STATE, [ROUTE, PRIORITY], scoring="sequence"))
+    assert warm.cached_tokens == warm.state_tokens
+    for a, b in zip(warm.distributions, cold):
         np.testing.assert_allclose(a.probabilities, b.probabilities, atol=1e-6)
 
 
@@ -106,33 +129,43 @@ def test_state_prefix_is_evaluated_once_for_several_questions(engine):
     engine.invalidate()
     result = engine.score(STATE, [ROUTE, PRIORITY, IS_ACCOUNT])
     first, second, third = result.distributions
-    assert first.cached_tokens == 0
+    assert first.cached_tokens == 0 and first.evaluated_tokens == first.tokens
     # later questions restart from the state boundary (or later), never from scratch
     assert second.cached_tokens >= result.state_tokens
     assert third.cached_tokens >= result.state_tokens
-    assert result.evaluated_tokens < 3 * result.state_tokens
+    assert result.evaluated_tokens == result.input_tokens  # the prefix once, then each question's own tokens
 
 
 def test_answers_do_not_depend_on_other_questions_or_their_order(engine):
-    together = engine.score(STATE, [ROUTE, PRIORITY, IS_ACCOUNT]).distributions
-    reordered = engine.score(STATE, [IS_ACCOUNT, ROUTE, PRIORITY]).distributions
-    alone = [engine.score(STATE, [q]).distributions[0] for q in (ROUTE, PRIORITY, IS_ACCOUNT)]
+    together = _computed(engine.score(STATE, [ROUTE, PRIORITY, IS_ACCOUNT])).distributions
+    reordered = _computed(engine.score(STATE, [IS_ACCOUNT, ROUTE, PRIORITY])).distributions
+    alone = []
+    for q in (ROUTE, PRIORITY, IS_ACCOUNT):
+        engine.invalidate()  # each alone from a cold context: nothing shared with the batched runs
+        alone.append(_computed(engine.score(STATE, [q])).distributions[0])
     for a, b in zip(together, alone):
         np.testing.assert_allclose(a.probabilities, b.probabilities, atol=1e-6)
-    np.testing.assert_allclose(reordered[1].probabilities, together[0].probabilities, atol=1e-6)
+    for a, b in zip(reordered, (alone[2], alone[0], alone[1])):
+        np.testing.assert_allclose(a.probabilities, b.probabilities, atol=1e-6)
 
 
 def test_models_that_cannot_rewind_partially_fall_back_to_snapshots_with_equal_results(engine):
-    reference = engine.score(STATE, [ROUTE, PRIORITY]).distributions
+    engine.invalidate()
+    reference = _computed(engine.score(STATE, [ROUTE, PRIORITY])).distributions
+    restores_before = engine.snapshot_restores
     engine.partial_rewind = False
     try:
         engine.invalidate()
-        snapshot_path = engine.score(STATE, [ROUTE, PRIORITY])
-        other_state = engine.score("An unrelated shipping complaint about a parcel.", [ROUTE])
-        again = engine.score(STATE, [ROUTE, PRIORITY])
+        snapshot_path = _computed(engine.score(STATE, [ROUTE, PRIORITY]))
+        restored_in_request = engine.snapshot_restores - restores_before
+        other_state = _computed(engine.score("An unrelated shipping complaint about a parcel.", [ROUTE]))
+        again = _computed(engine.score(STATE, [ROUTE, PRIORITY]))
     finally:
         engine.partial_rewind = True
         engine.invalidate()
+    # question 2 restarted from the snapshot of the state prefix: llama_state_seq_set_data really ran
+    assert restored_in_request >= 1
+    assert engine.snapshot_restores - restores_before >= 2  # and again for the repeat
     assert snapshot_path.distributions[1].cached_tokens >= snapshot_path.state_tokens
     for a, b, c in zip(reference, snapshot_path.distributions, again.distributions):
         np.testing.assert_allclose(a.probabilities, b.probabilities, atol=1e-6)
@@ -200,3 +233,149 @@ def test_state_cannot_close_its_fence_or_forge_a_turn(engine):
     assert len(im_end) == 1
     state_tokens = [t for segment in segments[1:] for t in segment]  # segments[0] is the template head
     assert im_end[0] not in state_tokens  # the state's "<|im_end|>" is plain text, not a turn boundary
+
+
+# ---- the prompt plan, cancellation and failures ------------------------------------------------
+
+
+def test_a_plan_is_built_without_touching_the_context(engine):
+    engine.score(STATE, [ROUTE])
+    held = list(engine._segments)
+    plan = engine.plan("Another state entirely, planned while the model could be busy.", [ROUTE, PRIORITY],
+                       scoring="sequence", question_fields=["a", "b"])
+    assert engine._segments == held  # nothing evaluated, nothing rewound
+    assert plan.template_version == engine.info["template_version"]
+    assert [q.field for q in plan.questions] == ["a", "b"]
+    assert plan.prefix_pieces[0].special_tokens and not plan.prefix_pieces[1].special_tokens
+    assert all(q.answer_tokens for q in plan.questions)
+    assert plan.input_tokens == plan.state_tokens + sum(len(q.suffix_tokens) for q in plan.questions)
+
+
+def test_a_long_option_list_is_blamed_on_its_question_and_a_long_state_on_the_state(engine):
+    many = Question("Pick one.", tuple(Outcome(f"option number {i}", " ".join(["routing"] * 100)) for i in range(60)))
+    with pytest.raises(PromptTooLong) as info:
+        engine.plan(STATE, [ROUTE, many], question_fields=["decisions[0].options", "decisions[1].options"],
+                    question_names=["route", "big"], state_field="state")
+    assert info.value.field == "decisions[1].options" and "'big'" in str(info.value)
+    with pytest.raises(PromptTooLong) as info:
+        engine.plan("word " * 5000, [ROUTE], question_fields=["decisions[0].options"], state_field="decision.state")
+    assert info.value.field == "decision.state"
+
+
+def test_a_request_over_the_token_budget_is_refused_before_evaluation(engine):
+    from semif.serving.engine import TokenBudgetExceeded
+
+    plan = engine.plan(STATE, [ROUTE] * 3)
+    with pytest.raises(TokenBudgetExceeded) as info:
+        engine.plan(STATE, [ROUTE] * 3, max_request_tokens=plan.worst_case_tokens - 1, budget_field="decisions")
+    assert info.value.field == "decisions" and info.value.tokens == plan.worst_case_tokens
+    assert engine.plan(STATE, [ROUTE] * 3, max_request_tokens=plan.worst_case_tokens).worst_case_tokens == plan.worst_case_tokens
+
+
+def test_cancel_stops_between_questions_and_leaves_the_context_consistent(engine):
+    from semif.serving.engine import Cancelled
+
+    engine.invalidate()
+    asked = []
+
+    def cancel():
+        asked.append(len(asked))
+        return len(asked) > 2  # allow two questions, stop before the third
+
+    with pytest.raises(Cancelled) as info:
+        engine.score(STATE, [ROUTE, PRIORITY, IS_ACCOUNT, ROUTE], cancel=cancel)
+    assert (info.value.done, info.value.total) == (2, 4)
+    warm = _computed(engine.score(STATE, [IS_ACCOUNT]))
+    assert warm.state_cached_tokens == warm.state_tokens  # what the cancelled request evaluated is kept
+    engine.invalidate()
+    cold = _computed(engine.score(STATE, [IS_ACCOUNT]))
+    np.testing.assert_allclose(warm.distributions[0].option_logits, cold.distributions[0].option_logits, atol=1e-5)
+
+
+def test_a_failure_mid_request_empties_the_context_so_the_next_answer_equals_a_cold_one(engine, monkeypatch):
+    import llama_cpp
+
+    engine.invalidate()
+    engine.score("An unrelated state that the failed request will partly overwrite.", [ROUTE])
+    real = llama_cpp.llama_get_logits_ith
+    calls = []
+
+    def fail_on_second_question(ctx, i):
+        # After llama_decode succeeded and before the engine records the segment: the context holds
+        # tokens its bookkeeping does not know about, unless the engine clears both.
+        calls.append(i)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure while reading logits")
+        return real(ctx, i)
+
+    monkeypatch.setattr(llama_cpp, "llama_get_logits_ith", fail_on_second_question)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.score(STATE, [ROUTE, PRIORITY, IS_ACCOUNT])
+    monkeypatch.setattr(llama_cpp, "llama_get_logits_ith", real)
+    assert engine._segments == []  # bookkeeping cleared with the context
+    after = _computed(engine.score(STATE, [PRIORITY, IS_ACCOUNT]))
+    engine.invalidate()
+    cold = _computed(engine.score(STATE, [PRIORITY, IS_ACCOUNT]))
+    for a, b in zip(after.distributions, cold.distributions):
+        np.testing.assert_allclose(a.option_logits, b.option_logits, atol=1e-5)
+
+
+def test_engine_asks_llama_cpp_for_the_full_sliding_window_cache_explicitly(engine):
+    # Partial rewinds of a sliding-window-attention cache are exact only with the full-size cache.
+    assert engine.llm.context_params.swa_full is True
+    assert engine.info["n_swa"] == engine.n_swa == 0  # SmolLM2: full attention (Gemma: tests/test_gemma_swa.py)
+
+
+def test_default_context_is_the_models_training_context_capped_at_8192(engine, model_path):
+    from semif.serving.engine import DEFAULT_N_CTX_CAP, default_n_ctx
+
+    metadata = engine.llm.metadata  # the GGUF header as llama-cpp-python reads it
+    trained = int(metadata[f"{metadata['general.architecture']}.context_length"])
+    assert default_n_ctx(model_path) == min(trained, DEFAULT_N_CTX_CAP)
+    assert default_n_ctx(model_path) >= 8192  # SmolLM2 is trained at 8192: System One's 255 options fit
+
+
+# ---- the state fence -----------------------------------------------------------------------------
+
+
+def _fence_by_trying_each_tag(text: str) -> str:
+    lowered = text.lower()
+    n = 0
+    while True:
+        tag = "state" if n == 0 else f"state-{n}"
+        if f"<{tag}>" not in lowered and f"</{tag}>" not in lowered:
+            return tag
+        n += 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain", "<state>", "</STATE>", "<state> <state-1> </state-2>", "<state-01> <state>", "<state><state-2>",
+        "<state-1></state>" + "<state-3>", "<state->" + "<state>", "</state-999999999999><state>",
+        "".join(f"<state-{n}>" for n in range(0, 50) if n != 17) + "<state>",
+    ],
+)
+def test_the_fence_tag_is_the_first_tag_absent_from_the_state(text):
+    from semif.serving.prompt import _fence_tag
+
+    assert _fence_tag(text) == _fence_by_trying_each_tag(text)
+
+
+def test_the_fence_search_is_one_pass_over_a_state_stuffed_with_tags():
+    import time
+
+    from semif.serving.prompt import _fence_tag
+
+    parts, size, n = ["<state>"], 7, 1
+    while size < 1 << 20:  # 1 MiB of tags: <state>, <state-1>, <state-2>, …
+        parts.append(f"<state-{n}>")
+        size += len(parts[-1])
+        n += 1
+    stuffed = "".join(parts)
+    started = time.perf_counter()
+    tag = _fence_tag(stuffed)
+    elapsed = time.perf_counter() - started
+    assert tag == f"state-{n}"
+    # Trying tags one by one rescans the whole MiB per tag (~90,000 scans: minutes); one pass is ~0.1 s.
+    assert elapsed < 5, elapsed

@@ -115,3 +115,39 @@ def test_manifest_mismatch_stops_startup(tmp_path, model_path):
     )
     assert result.returncode == 3
     assert "sha256" in result.stderr
+
+
+def test_with_a_log_hash_key_the_state_is_logged_as_an_hmac_and_never_as_a_plain_hash(start_serve):
+    import hmac
+
+    server = start_serve(SEMIF_LOG_HASH_KEY="log-secret")
+    response = httpx.post(server.base_url + "/invocations", json=_body(1), timeout=60)
+    assert response.status_code == 200, response.text
+    state = f"{STATE} (ticket 1)".encode()
+    line = [line for line in server.log_lines() if line.get("message") == "request"][-1]
+    assert line["state_hmac_sha256"] == hmac.new(b"log-secret", state, hashlib.sha256).hexdigest()
+    assert "state_sha256" not in line
+    assert hashlib.sha256(state).hexdigest() not in server.log_text()
+
+
+def test_settings_default_to_a_deadline_under_sagemakers_60_s_a_token_budget_and_the_models_context(model_path):
+    from semif.serving.config import Settings, SettingsError
+
+    settings = Settings.from_env({"SEMIF_MODEL_PATH": str(model_path)})
+    assert settings.n_ctx is None  # the engine picks the model's training context, capped at 8192
+    assert 0 < settings.request_deadline_s < 60
+    assert settings.max_request_tokens == 65536
+    assert settings.label_memo is True and settings.log_hash_key is None
+    tuned = Settings.from_env({"SEMIF_MODEL_PATH": str(model_path), "SEMIF_REQUEST_DEADLINE_S": "20",
+                               "SEMIF_MAX_REQUEST_TOKENS": "9000", "SEMIF_LABEL_MEMO": "0", "SEMIF_N_CTX": "2048"})
+    assert (tuned.request_deadline_s, tuned.max_request_tokens, tuned.label_memo, tuned.n_ctx) == (20.0, 9000, False, 2048)
+    with pytest.raises(SettingsError, match="SEMIF_REQUEST_DEADLINE_S"):
+        Settings.from_env({"SEMIF_MODEL_PATH": str(model_path), "SEMIF_REQUEST_DEADLINE_S": "soon"})
+
+
+def test_the_example_printed_by_make_run_warns_that_the_embedded_model_is_near_chance(model_path):
+    from semif.serving.config import Settings
+    from semif.serving.serve import example_curl
+
+    text = example_curl(Settings.from_env({"SEMIF_MODEL_PATH": str(model_path)}))
+    assert "near chance" in text and "SEMIF_MODEL_PATH=/path/to/model.gguf make run" in text

@@ -27,6 +27,7 @@ def ask(client, questions, state=TICKET, path="/v1/systemone", **extra):
 
 def answers_of(response):
     assert response.status_code == 200, response.text
+    assert response.json()["x_semif"]["evaluated_tokens"] > 0  # computed now, not recalled (memo off)
     return response.json()["answers"]
 
 
@@ -37,14 +38,16 @@ def recompute(engine, questions, state=TICKET):
 
     job = systemone.parse({"state": state, "questions": questions}, Limits(255, 400))
     engine.invalidate()  # a cold run: the reference the cached runs must equal
-    return job, engine.score(job.state_text, job.questions)
+    result = engine.score(job.state_text, job.questions)
+    assert result.evaluated_tokens == result.input_tokens  # everything computed: no memo, no cache
+    return job, result
 
 
 def test_noul_is_the_engines_probability_of_yes(client, engine):
     body = ask(client, {"refund": NOUL}).json()
     assert set(body) <= {"model", "answers", "usage"} | {k for k in body if k.startswith("x_")}
     answer = body["answers"]["refund"]
-    assert answer["type"] == "noul"
+    assert answer["type"] == "noul" and body["x_semif"]["evaluated_tokens"] > 0
     _, result = recompute(engine, {"refund": NOUL})
     assert math.isclose(answer["noul"], result.distributions[0].probabilities[0], abs_tol=1e-4)
     assert 0.0 <= answer["noul"] <= 1.0
@@ -258,7 +261,8 @@ def keyed_client(engine, model_path):
         yield test_client
 
 
-@pytest.mark.parametrize("path, method", [("/v1/systemone", "post"), ("/v1/decisions", "post"), ("/v1/models", "get"), ("/v1/semif", "post")])
+@pytest.mark.parametrize("path, method", [("/v1/systemone", "post"), ("/v1/decisions", "post"), ("/v1/models", "get"),
+                                          ("/v1/semif", "post"), ("/invocations", "post"), ("/v1/chat/completions", "post")])
 def test_auth_on_refuses_missing_and_wrong_keys_with_authentication_error(keyed_client, path, method):
     body = {"state": TICKET, "questions": {"q": NOUL}}
     call = getattr(keyed_client, method)
@@ -270,11 +274,17 @@ def test_auth_on_refuses_missing_and_wrong_keys_with_authentication_error(keyed_
         assert response.json()["error"]["type"] == "authentication_error"
 
 
-def test_auth_on_accepts_the_bearer_key_and_leaves_ping_and_invocations_open(keyed_client):
+def test_auth_on_accepts_the_bearer_key_guards_invocations_too_and_leaves_only_ping_open(keyed_client):
     body = {"state": TICKET, "questions": {"q": NOUL}}
-    assert keyed_client.post("/v1/systemone", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    key = {"Authorization": "Bearer s3cret"}
+    assert keyed_client.post("/v1/systemone", json=body, headers=key).status_code == 200
     assert keyed_client.get("/ping").status_code == 200
-    assert keyed_client.post("/invocations", json=body).status_code == 200
+    # /invocations serves every contract and chat: with a key set it needs the key like /v1/*
+    for invocation in (body, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}):
+        refused = keyed_client.post("/invocations", json=invocation)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    assert keyed_client.post("/invocations", json=body, headers=key).status_code == 200
+    assert keyed_client.post("/nowhere", json=body).status_code == 401  # unknown paths do not reveal routes
 
 
 def test_typesafe_sdk_parses_every_answer_type_from_the_live_adapter(start_serve):
@@ -307,3 +317,15 @@ def test_typesafe_sdk_parses_every_answer_type_from_the_live_adapter(start_serve
     with httpx.Client(timeout=60) as http:
         raw = http.post(server.base_url + "/v1/systemone", json={"state": TICKET, "questions": {"q": {"type": "score", "criteria": ["a"]}}})
     assert raw.status_code == 422
+
+
+def test_default_settings_answer_a_choice_of_255_described_options(start_serve):
+    # jevcompat's largest choice: 2 to 255 options is a MUST. No SEMIF_N_CTX: the default must hold it.
+    server = start_serve(SEMIF_N_THREADS=1)  # one thread: spinning OpenMP workers crawl on a shared 2-core box
+    criteria = {f"Queue {i}": f"Tickets about product area number {i}, its billing and its setup." for i in range(255)}
+    question = {"type": "choice", "instructions": "Which queue should handle this ticket?", "criteria": criteria}
+    response = httpx.post(server.base_url + "/v1/systemone", json={"state": TICKET, "questions": {"q": question}}, timeout=600)
+    assert response.status_code == 200, response.text[:500]
+    body = response.json()
+    assert len(body["answers"]["q"]["probabilities"]) == 255
+    assert body["usage"]["input_tokens"] > 4096  # more than the old default context held

@@ -27,7 +27,7 @@ from bench_server import BenchServer  # noqa: E402
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO.parent / "shared" / "data" / "decisions-sample.jsonl"
+SAMPLE = REPO / "data" / "decisions-sample.jsonl"
 
 STATE_300 = (
     "Ticket 88213 from Dana Whitfield, account tier Enterprise, region EU-West. Dana writes: since the "

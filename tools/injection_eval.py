@@ -49,7 +49,7 @@ def run(engine: Engine, rows: list[dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "decisions-sample.jsonl")
+    parser.add_argument("--data", type=Path, default=REPO / "data" / "decisions-sample.jsonl")
     args = parser.parse_args()
     rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
     engine = Engine(args.model or embedded_model_path(), n_ctx=4096)

@@ -4,10 +4,11 @@
 usage: python tools/quality_accuracy.py MODEL.gguf   (e.g. the quality reference model from ../shared/tools/quality-model)
 """
 import json, time, sys
+from pathlib import Path
 from semif.serving.engine import Engine
-from semif import prompt as P
+from semif.serving import prompt as P
 path=sys.argv[1]
-rows=[json.loads(l) for l in open('/work/shared/data/decisions-sample.jsonl')]
+rows=[json.loads(l) for l in open(Path(__file__).resolve().parents[1] / 'data' / 'decisions-sample.jsonl')]
 e=Engine(path, n_ctx=4096, n_threads=2)
 print(e.info['file'], e.info['sha256'][:12], flush=True)
 for scoring in ('label','sequence'):

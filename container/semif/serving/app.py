@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import re
+import threading
 import time
 import uuid
 from typing import Any, Callable, Optional
@@ -22,8 +25,9 @@ from .auth import BearerAuth
 from .config import Settings
 from .contracts import semif as semif_contract
 from .contracts import openai_decisions, systemone
-from .contracts.base import Job, Limits, RequestError, RunContext, state_sha256
-from .engine import EngineError, LabelError, PromptTooLong
+from .contracts.base import Job, Limits, RequestError, RunContext, excerpt, pydantic_field
+from .engine import Cancelled, EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
+from .logs import state_digest_fields
 from .policy import DecisionPostprocessor, log_fields as policy_log_fields
 
 log = logging.getLogger("semif.http")
@@ -32,15 +36,148 @@ SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
 BODY_TIMEOUT_S = 30.0
 
 
+MAX_JSON_DEPTH = 100  # deeper bodies are refused: json.dumps(indent=…) of a state recurses per level
+DISCONNECT_POLL_S = 0.05  # how often a computing request checks that its client is still there
+
+
+class _JsonRefusal(ValueError):
+    """Raised while parsing: the JSON is well-formed but refused (status 400, code, field)."""
+
+    def __init__(self, code: str, message: str, field: str = "<body>"):
+        super().__init__(message)
+        self.code = code
+        self.field = field
+
+
 def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
+    raise _JsonRefusal("invalid_json", f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf: no field of any contract means that
+        raise _JsonRefusal("number_out_of_range", f"number {excerpt(text)} is out of range")
+    return value
+
+
+def _unique_keys(pairs: list) -> dict:
+    """Duplicate keys are refused, not resolved last-wins: two clients (or a client and a proxy)
+    could otherwise read the same body differently."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _JsonRefusal("duplicate_key", f"duplicate key {excerpt(key)!r} in a JSON object", excerpt(key))
+            seen.add(key)
+    return result
+
+
+def _json_path(path: list) -> str:
+    shown = path[:8]
+    text = pydantic_field(shown) if shown else "<body>"
+    return text + ("…" if len(path) > 8 else "")
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_tree(value: Any, *, surrogates: bool) -> None:
+    """One iterative walk: nesting depth at most MAX_JSON_DEPTH, and (when the text had \\u escapes
+    in the surrogate range) no lone surrogate in any key or string, since no UTF-8 encoder, tokenizer
+    or log line downstream can carry one."""
+    stack: list[tuple[Any, list, int]] = [(value, [], 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, str):
+            if surrogates and _has_lone_surrogate(node):
+                raise _JsonRefusal("invalid_unicode", "a string holds a lone UTF-16 surrogate (e.g. \\ud800)", _json_path(path))
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise _JsonRefusal("too_deep", f"the JSON is nested more than {MAX_JSON_DEPTH} levels deep", _json_path(path))
+        if isinstance(node, dict):
+            for key, item in node.items():
+                if surrogates and _has_lone_surrogate(key):
+                    raise _JsonRefusal("invalid_unicode", "a key holds a lone UTF-16 surrogate (e.g. \\ud800)", _json_path(path))
+                if isinstance(item, (dict, list, str)):
+                    stack.append((item, path + [key], depth + 1))
+        else:
+            for index, item in enumerate(node):
+                if isinstance(item, (dict, list, str)):
+                    stack.append((item, path + [index], depth + 1))
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_JSON_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{},:]')
+
+
+def _too_deep_at(text: str) -> Optional[list]:
+    """The path where ``text`` first nests deeper than MAX_JSON_DEPTH, or None. One linear scan over
+    strings and brackets, before json.loads: the parser would hit Python's recursion limit first
+    (~1,000 levels) and could only blame the whole body, not the field."""
+    frames: list[list] = []  # per open container: [is_object, key or index, expecting_key]
+    pending_key: Any = None
+    for match in _JSON_STRUCTURE.finditer(text):
+        token = match.group()
+        if token in "[{":
+            if len(frames) >= MAX_JSON_DEPTH:
+                return [frame[1] for frame in frames]
+            frames.append([token == "{", 0 if token == "[" else None, token == "{"])
+        elif token in "]}":
+            if frames:
+                frames.pop()
+        elif token == ",":
+            if frames:
+                if frames[-1][0]:
+                    frames[-1][2] = True
+                else:
+                    frames[-1][1] += 1
+        elif token == ":":
+            if frames and frames[-1][0]:
+                frames[-1][1], frames[-1][2] = pending_key, False
+        elif frames and frames[-1][0] and frames[-1][2]:  # a string in key position
+            try:
+                pending_key = json.loads(token)
+            except ValueError:
+                pending_key = token[1:-1]
+    return None
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON: UTF-8, no NaN/Infinity, finite numbers, unique keys, bounded depth, no lone surrogates."""
+    if not raw.strip():
+        raise RequestError(400, "invalid_json", "the body is empty; send a JSON object", "<body>")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, "invalid_json", f"the body is not UTF-8 (byte {exc.start})", "<body>") from None
+    deep = _too_deep_at(text)
+    if deep is not None:
+        raise RequestError(400, "too_deep", f"the JSON is nested more than {MAX_JSON_DEPTH} levels deep", _json_path(deep))
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
+        _check_tree(body, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
+        return body
+    except RecursionError:
+        raise RequestError(400, "invalid_json", "the JSON is nested too deeply", "<body>") from None
+    except _JsonRefusal as exc:
+        raise RequestError(400, exc.code, str(exc), exc.field) from None
+    except ValueError as exc:
+        raise RequestError(400, "invalid_json", f"malformed JSON: {excerpt(str(exc), 120)}", "<body>") from None
 
 
 async def read_json(request: Request, max_bytes: int) -> Any:
     """Read at most ``max_bytes`` of body (whatever Content-Length claims) and parse it strictly."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise RequestError(413, "body_too_large", f"body of {declared} bytes exceeds {max_bytes}", "<body>")
+        raise RequestError(413, "body_too_large", f"body of {excerpt(declared)} bytes exceeds {max_bytes}", "<body>")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -48,18 +185,17 @@ async def read_json(request: Request, max_bytes: int) -> Any:
             raise RequestError(413, "body_too_large", f"body exceeds {max_bytes} bytes", "<body>")
         chunks.append(chunk)
     raw = b"".join(chunks)
-    if not raw.strip():
-        raise RequestError(400, "invalid_json", "the body is empty; send a JSON object", "<body>")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(400, "invalid_json", f"the body is not UTF-8 (byte {exc.start})", "<body>") from None
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise RequestError(400, "invalid_json", "the JSON is nested too deeply", "<body>") from None
-    except ValueError as exc:
-        raise RequestError(400, "invalid_json", f"malformed JSON: {exc}", "<body>") from None
+    # Parsed off the event loop: a 1 MiB body takes tens of milliseconds, and /ping must not wait.
+    return await asyncio.to_thread(parse_json, raw)
+
+
+async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
+    """Polls from the event loop; the model thread reads ``gone`` between questions."""
+    while not gone.is_set():
+        if await request.is_disconnected():
+            gone.set()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
 
 
 class DecisionService:
@@ -101,7 +237,7 @@ class DecisionService:
                 if contract.NAME == override:
                     return contract
             names = ", ".join(c.NAME for c in self.contracts)
-            raise RequestError(400, "unknown_contract", f"contract={override!r}; known: {names}", SAGEMAKER_ATTRIBUTES)
+            raise RequestError(400, "unknown_contract", f"contract={excerpt(override)!r}; known: {names}", SAGEMAKER_ATTRIBUTES)
         for contract in self.contracts:
             if contract.matches(body):
                 return contract
@@ -129,12 +265,36 @@ class DecisionService:
                 active = contract
             job = contract.parse(body, self.limits)
             _check_model_name(contract, body, self.settings)
-            fields["state_sha256"] = state_sha256(job.state_text)
+            fields.update(state_digest_fields(job.state_text, self.settings.log_hash_key))
             fields["options_sha256"] = job.options_sha256
             engine = self.engine
-            result, admitted = await self.admission.run(
-                lambda: engine.score(job.state_text, job.questions, scoring=job.scoring, return_prompt=job.return_prompt)
+            # Everything that does not need the context happens here, off the model thread: fencing,
+            # tokenization, length and budget checks. Only a finished plan waits for admission.
+            plan = await asyncio.to_thread(
+                engine.plan, job.state_text, job.questions, scoring=job.scoring, return_prompt=job.return_prompt,
+                state_field=job.state_field, question_fields=job.question_fields, question_names=job.question_names,
+                budget_field=job.budget_field, max_request_tokens=self.settings.max_request_tokens,
             )
+            deadline = time.monotonic() + self.settings.request_deadline_s - (time.perf_counter() - started)
+            gone = threading.Event()
+
+            def cancel() -> bool:
+                return gone.is_set() or time.monotonic() > deadline
+
+            watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
+            try:
+                result, admitted = await self.admission.run(lambda: engine.execute(plan, cancel=cancel))
+            except Cancelled as stopped:
+                fields["questions_done"] = stopped.done
+                if gone.is_set():
+                    raise ClientDisconnect() from None
+                raise RequestError(
+                    504, "deadline_exceeded",
+                    f"the request did not finish within {self.settings.request_deadline_s:g} s "
+                    f"(SEMIF_REQUEST_DEADLINE_S; {stopped}); retry with fewer questions", None,
+                ) from None
+            finally:
+                watcher.cancel()
             for post in self.postprocessors:
                 post(job, result)
             total_ms = (time.perf_counter() - started) * 1000
@@ -161,11 +321,15 @@ class DecisionService:
             return JSONResponse(active.error_body(error), status_code=_error_status(active, error), headers=headers)
         except PromptTooLong as error:
             req_error = RequestError(413, error.code, str(error), error.field or "state", {"tokens": error.tokens, "n_ctx": error.n_ctx})
-            fields.update(status=413, error_code=error.code, tokens=error.tokens)
+            fields.update(status=413, error_code=error.code, error_field=req_error.field, tokens=error.tokens)
+            return JSONResponse(active.error_body(req_error), status_code=413, headers=headers)
+        except TokenBudgetExceeded as error:
+            req_error = RequestError(413, error.code, str(error), error.field, {"tokens": error.tokens, "budget": error.budget})
+            fields.update(status=413, error_code=error.code, error_field=req_error.field, tokens=error.tokens)
             return JSONResponse(active.error_body(req_error), status_code=413, headers=headers)
         except LabelError as error:
             req_error = RequestError(422, error.code, str(error), error.field or "options")
-            fields.update(status=422, error_code=error.code)
+            fields.update(status=422, error_code=error.code, error_field=req_error.field)
             return JSONResponse(active.error_body(req_error), status_code=_error_status(active, req_error), headers=headers)
         except Overloaded as error:
             headers["retry-after"] = str(self.settings.retry_after_s)
@@ -240,7 +404,7 @@ def _check_model_name(contract, body: Any, settings: Settings) -> None:
         return
     served = settings.served_model_name
     if requested not in (*aliases, served, settings.model_path.name):
-        raise RequestError(404, "model_not_found", f"model {requested!r} is not served here; use {served!r} "
+        raise RequestError(404, "model_not_found", f"model {excerpt(requested)!r} is not served here; use {served!r} "
                            f"or {' or '.join(repr(a) for a in aliases)}", "model")
 
 
@@ -342,7 +506,7 @@ def create_app(settings: Settings, engine, *, extra_routes: Optional[list] = Non
         code = "method_not_allowed" if status == 405 else "not_found"
         return JSONResponse({"error": {"code": code, "message": f"{request.method} {request.url.path}", "field": None}}, status_code=status)
 
-    # SEMIF_API_KEY: /v1/* needs `Authorization: Bearer <key>`; unset, the header is ignored.
+    # SEMIF_API_KEY: every route but /ping needs `Authorization: Bearer <key>`; unset, the header is ignored.
     middleware = [Middleware(BearerAuth, api_key=settings.api_key)] if settings.api_key else []
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found}, middleware=middleware)
     app.state.service = service

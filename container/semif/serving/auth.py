@@ -1,8 +1,10 @@
-"""Optional bearer-key check for the `/v1/*` routes (`SEMIF_API_KEY`).
+"""Optional bearer-key check (`SEMIF_API_KEY`) on every route except `/ping`.
 
-Off when no key is set: then an `Authorization` header is ignored, as clients always send one. On SageMaker
-`/invocations` and `/ping` stay open: IAM (SigV4 on InvokeEndpoint) guards them before the container.
-Refusals happen before the body is read, so they never take a place in the model's queue.
+Off when no key is set: then an `Authorization` header is ignored, as clients always send one. With a key,
+`/invocations` is guarded like `/v1/*`: it serves every contract and chat. SageMaker deployments set no key:
+IAM (SigV4 on InvokeEndpoint) guards the endpoint before the container, and SageMaker's health check calls
+`/ping` without credentials. Refusals happen before the body is read, so they never take a place in the
+model's queue.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 
-AUTH_PREFIX = "/v1/"
+OPEN_PATHS = ("/ping",)  # health checks carry no credentials
 
 
 def auth_error_body(message: str) -> dict:
@@ -29,15 +31,15 @@ def bearer_token(header: str) -> str | None:
 
 
 class BearerAuth:
-    """Pure ASGI middleware: requests under ``/v1/`` need ``Authorization: Bearer <api_key>``."""
+    """Pure ASGI middleware: every request outside ``open_paths`` needs ``Authorization: Bearer <api_key>``."""
 
-    def __init__(self, app, *, api_key: str, prefix: str = AUTH_PREFIX):
+    def __init__(self, app, *, api_key: str, open_paths: tuple[str, ...] = OPEN_PATHS):
         self.app = app
         self._key = api_key.encode("utf-8")
-        self.prefix = prefix
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         header = ""

@@ -39,7 +39,7 @@ def find_gguf(model_dir: Path, max_depth: int = 2) -> Optional[Path]:
     return None
 
 
-def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int | None = None) -> int:
+def _int(env: Mapping[str, str], name: str, default: Optional[int], *, minimum: int | None = None) -> Optional[int]:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -82,12 +82,13 @@ class Settings:
     model_path: Path
     host: str = "0.0.0.0"
     port: int = 8080
-    n_ctx: int = 4096
+    n_ctx: Optional[int] = None  # None: the model's training context, capped at 8192 (engine.default_n_ctx)
     n_batch: int = 512
     n_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     n_gpu_layers: int = -1
     scoring: str = "label"
     prefix_cache: bool = True
+    label_memo: bool = True
     max_queue: int = 8
     queue_timeout_s: float = 30.0
     read_timeout_s: float = 30.0
@@ -95,7 +96,10 @@ class Settings:
     max_options: int = 255
     max_questions: int = 400
     max_body_bytes: int = 1 << 20
+    request_deadline_s: float = 50.0  # under SageMaker's 60 s InvokeEndpoint limit
+    max_request_tokens: int = 65536
     api_key: Optional[str] = None
+    log_hash_key: Optional[str] = None
     model_alias: Optional[str] = None
     calibration_path: Optional[Path] = None
     image_digest: Optional[str] = None
@@ -133,12 +137,13 @@ class Settings:
             model_path=model_path,
             host=env.get("SEMIF_HOST", "0.0.0.0").strip() or "0.0.0.0",
             port=_int(env, "SEMIF_PORT", 8080, minimum=0),
-            n_ctx=_int(env, "SEMIF_N_CTX", 4096, minimum=64),
+            n_ctx=_int(env, "SEMIF_N_CTX", None, minimum=64),
             n_batch=_int(env, "SEMIF_N_BATCH", 512, minimum=1),
             n_threads=_int(env, "SEMIF_N_THREADS", os.cpu_count() or 1, minimum=1),
             n_gpu_layers=_int(env, "SEMIF_N_GPU_LAYERS", -1, minimum=-1),
             scoring=scoring,
             prefix_cache=_bool(env, "SEMIF_PREFIX_CACHE", True),
+            label_memo=_bool(env, "SEMIF_LABEL_MEMO", True),
             max_queue=_int(env, "SEMIF_MAX_QUEUE", 8, minimum=0),
             queue_timeout_s=_float(env, "SEMIF_QUEUE_TIMEOUT_S", 30.0, minimum=0.001),
             read_timeout_s=_float(env, "SEMIF_READ_TIMEOUT_S", 30.0, minimum=0.1),
@@ -146,7 +151,10 @@ class Settings:
             max_options=max_options,
             max_questions=_int(env, "SEMIF_MAX_QUESTIONS", 400, minimum=1),
             max_body_bytes=_int(env, "SEMIF_MAX_BODY_BYTES", 1 << 20, minimum=1024),
+            request_deadline_s=_float(env, "SEMIF_REQUEST_DEADLINE_S", 50.0, minimum=0.001),
+            max_request_tokens=_int(env, "SEMIF_MAX_REQUEST_TOKENS", 65536, minimum=64),
             api_key=env.get("SEMIF_API_KEY") or None,
+            log_hash_key=env.get("SEMIF_LOG_HASH_KEY") or None,
             model_alias=env.get("SEMIF_MODEL_ALIAS") or None,
             calibration_path=Path(calibration) if calibration else None,
             image_digest=env.get("SEMIF_IMAGE_DIGEST") or None,

@@ -18,12 +18,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from .manifest import sha256_file
+from .plan import EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, TokenBudgetExceeded, build_plan
 from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION
+
+__all__ = ["Cancelled", "Distribution", "Engine", "EngineError", "LabelError", "PlanError", "PromptPlan",
+           "PromptTooLong", "ScoreResult", "TokenBudgetExceeded", "softmax"]
 
 log = logging.getLogger("semif.engine")
 
@@ -31,27 +35,16 @@ SEQ = 0  # the one sequence this context holds
 LABEL_MEMO_SIZE = 256  # identical prompts remembered (label logits only: a few floats each)
 
 
-class EngineError(Exception):
-    """A request the engine cannot score as asked; ``code`` is stable for clients."""
+class Cancelled(EngineError):
+    """The caller's ``cancel`` hook said stop (deadline passed, client gone). Raised between
+    questions: the context and its bookkeeping stay consistent and keep what was evaluated."""
 
-    code = "engine_error"
+    code = "cancelled"
 
-    def __init__(self, message: str, *, field: Optional[str] = None):
-        super().__init__(message)
-        self.field = field
-
-
-class PromptTooLong(EngineError):
-    code = "prompt_too_long"
-
-    def __init__(self, tokens: int, n_ctx: int, *, field: Optional[str] = None):
-        super().__init__(f"prompt needs {tokens} tokens but the context holds {n_ctx}", field=field)
-        self.tokens = tokens
-        self.n_ctx = n_ctx
-
-
-class LabelError(EngineError):
-    code = "unsupported_options"
+    def __init__(self, done: int, total: int):
+        super().__init__(f"stopped after {done} of {total} questions")
+        self.done = done
+        self.total = total
 
 
 @dataclass
@@ -75,9 +68,12 @@ class ScoreResult:
     distributions: list[Distribution]
     state_tokens: int
     input_tokens: int  # distinct prompt tokens of the request: state prefix once + every question suffix
-    cached_tokens: int  # state-prefix tokens found in the context from earlier requests
-    evaluated_tokens: int
+    # Of input_tokens, those this request never evaluated: state-prefix tokens the context held from
+    # earlier requests, plus whole prompts answered from remembered label logits.
+    cached_tokens: int
+    evaluated_tokens: int  # tokens run through the model (a re-evaluated token counts each time)
     compute_ms: float
+    state_cached_tokens: int = 0  # of the state prefix, tokens reused from earlier requests
 
 
 def softmax(logits: Sequence[float]) -> list[float]:
@@ -98,6 +94,35 @@ def _tokens_key(prefix: Sequence[Sequence[int]], suffix: Sequence[int], label_id
         digest.update(np.asarray(part, dtype=np.int64).tobytes())
         digest.update(b"|")
     return digest.digest()
+
+
+DEFAULT_N_CTX_CAP = 8192  # what SEMIF_N_CTX defaults to at most: System One's 255 described options need ~4.7k
+FALLBACK_N_CTX = 4096  # a model that does not say its training context
+
+
+def default_n_ctx(model_path: str | os.PathLike) -> int:
+    """The context size when SEMIF_N_CTX is unset: the model's training context, capped at 8192
+    (enough for the largest standard requests; a bigger context only costs memory). Read from the
+    GGUF header of a vocabulary-only load: no weights are read."""
+    import llama_cpp
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    with suppress_stdout_stderr(disable=False):  # llama.cpp prints its loader log otherwise
+        model = llama_cpp.llama_model_load_from_file(str(model_path).encode("utf-8"), params)
+    if not model:
+        return FALLBACK_N_CTX
+    try:
+        buf = ctypes.create_string_buffer(256)
+        trained = 0
+        if llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf)) > 0:
+            key = buf.value + b".context_length"
+            if llama_cpp.llama_model_meta_val_str(model, key, buf, len(buf)) > 0 and buf.value.isdigit():
+                trained = int(buf.value)
+    finally:
+        llama_cpp.llama_model_free(model)
+    return min(trained, DEFAULT_N_CTX_CAP) if trained > 0 else FALLBACK_N_CTX
 
 
 def _cpu_name() -> str:
@@ -126,11 +151,12 @@ class Engine:
         self,
         model_path: str | os.PathLike,
         *,
-        n_ctx: int = 4096,
+        n_ctx: Optional[int] = None,
         n_batch: int = 512,
         n_threads: Optional[int] = None,
         n_gpu_layers: int = -1,
         prefix_cache: bool = True,
+        label_memo: bool = True,
         default_scoring: str = "label",
         model_sha256: Optional[str] = None,
         verbose: bool = False,
@@ -140,12 +166,19 @@ class Engine:
         self._lc = llama_cpp
         self.model_path = Path(model_path)
         self.prefix_cache = prefix_cache
+        self.label_memo = label_memo
         self.default_scoring = default_scoring
         self.sha256 = model_sha256 or sha256_file(self.model_path)
         started = time.perf_counter()
+        if n_ctx is None:
+            n_ctx = default_n_ctx(self.model_path)
         self.llm = llama_cpp.Llama(
             model_path=str(self.model_path),
             n_ctx=n_ctx,
+            # Rewinding a sliding-window-attention cache to an earlier position is exact only while the
+            # cache keeps every position (llama.cpp's full-size SWA cache). It is the vendored default
+            # today; set it explicitly so an upgrade cannot change it under the prefix cache.
+            swa_full=True,
             n_batch=n_batch,
             n_ubatch=n_batch,
             n_threads=n_threads,
@@ -166,6 +199,9 @@ class Engine:
         self.partial_rewind = not (
             llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model)
         )
+        self.n_swa = int(llama_cpp.llama_model_n_swa(self._model))
+        self.snapshot_restores = 0  # llama_state_seq_set_data calls that restored the state prefix
+        self._decoded_from: Optional[int] = None  # lowest position decoded in the current request
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._segments: list[tuple[int, ...]] = []  # what the context holds, in evaluation segments
         # Label logits of recently scored prompts, keyed by their exact tokens: an identical question
@@ -193,6 +229,7 @@ class Engine:
             "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
             "hardware": (_gpu_name() if llama_cpp.llama_supports_gpu_offload() else None) or _cpu_name(),
             "n_ctx": self.n_ctx,
+            "n_swa": self.n_swa,
             "chat_template": self.template.chat_template is not None,
             "template_version": TEMPLATE_VERSION,
             "template_sha256": self.template.sha256,
@@ -222,22 +259,38 @@ class Engine:
                 return str(value() if callable(value) else value)
         return f"llama-cpp-python-{self._lc.__version__}"
 
-    def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
-        """The state prefix as evaluation segments: the template head (system text, constant across
-        requests), then the fenced state in blocks of ``n_batch`` tokens. Template text may hold
-        special tokens; the state never does: it is tokenized as plain text so it cannot forge a turn."""
-        head, block = self.template.state_prefix_parts(state_text)
-        head_tokens = self._tokenize(head, special=True, add_bos=True)
-        if not head_tokens and self._adds_bos():
-            head_tokens = [self.llm.token_bos()]
-        state_tokens = self._tokenize(block, special=False)
-        segments = [head_tokens] if head_tokens else []
-        segments += [state_tokens[i : i + self.n_batch] for i in range(0, len(state_tokens), self.n_batch)]
-        return head + block, segments
+    def plan(
+        self,
+        state_text: str,
+        questions: Sequence[Question],
+        *,
+        scoring: Optional[str] = None,
+        return_prompt: bool = False,
+        state_field: str = "state",
+        question_fields: Optional[Sequence[str]] = None,
+        question_names: Optional[Sequence[str]] = None,
+        budget_field: str = "questions",
+        max_request_tokens: Optional[int] = None,
+    ) -> PromptPlan:
+        """Everything per request that does not need the context: fencing, tokens, labels, length and
+        budget checks. Safe to call from any thread while the model thread computes: llama.cpp's
+        tokenizer only reads the vocabulary."""
+        scoring = scoring or self.default_scoring
+        if scoring not in ("label", "sequence"):
+            raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
+        return build_plan(
+            template=self.template, labels=self.labels, tokenize=self._tokenize,
+            eos_token=self.llm.token_eos(), bos_token=self.llm.token_bos(), adds_bos=self._adds_bos(),
+            n_ctx=self.n_ctx, n_batch=self.n_batch, state_text=state_text, questions=questions, scoring=scoring,
+            state_field=state_field, question_fields=question_fields, question_names=question_names,
+            budget_field=budget_field, max_request_tokens=max_request_tokens, return_prompt=return_prompt,
+        )
 
-    def question_tokens(self, question: Question, labels: Optional[Sequence[str]]) -> tuple[str, list[int]]:
-        block, tail = self.template.question_suffix_parts(question, labels)
-        return block + tail, self._tokenize(block, special=False) + self._tokenize(tail, special=True)
+    def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
+        """The state prefix as evaluation segments (see ``plan``): the template head, then the fenced
+        state in blocks of ``n_batch`` tokens."""
+        planned = self.plan(state_text, [])
+        return planned.prefix_text, [list(s) for s in planned.prefix_segments]
 
     # ---- the context --------------------------------------------------------------------------
     #
@@ -256,7 +309,7 @@ class Engine:
         self._lc.llama_memory_clear(self._memory, True)
         self._segments = []
         self._snapshot = None
-        if not self.prefix_cache:
+        if not (self.prefix_cache and self.label_memo):
             self._label_memo.clear()
 
     def _rewind(self, n_segments: int) -> None:
@@ -274,6 +327,7 @@ class Engine:
             if self._lc.llama_state_seq_set_data(self._ctx, buf, len(buf), SEQ) == 0:
                 self.invalidate()
                 return
+            self.snapshot_restores += 1
             self._segments = list(snap[0])
             return
         self.invalidate()
@@ -289,6 +343,8 @@ class Engine:
         lc, batch = self._lc, self._batch
         rows: dict[int, np.ndarray] = {}
         start = self._cached_len
+        if self._decoded_from is None or start < self._decoded_from:
+            self._decoded_from = start
         for offset in range(0, len(tokens), self.n_batch):
             chunk = tokens[offset : offset + self.n_batch]
             batch.n_tokens = len(chunk)
@@ -332,20 +388,6 @@ class Engine:
 
     # ---- scoring ------------------------------------------------------------------------------
 
-    def check_question(self, question: Question, scoring: str) -> None:
-        """Raise LabelError if ``question`` cannot be label-scored by this model."""
-        if scoring != "label":
-            return
-        labels = self.labels.for_question(question)
-        if question.kind == "binary":
-            return
-        if len(question.outcomes) > len(labels.texts):
-            kind = "levels" if question.kind == "scale" else "options"
-            raise LabelError(
-                f"label scoring supports at most {len(labels.texts)} {kind} with this model "
-                f"(got {len(question.outcomes)}); use scoring 'sequence'"
-            )
-
     def score(
         self,
         state_text: str,
@@ -353,54 +395,61 @@ class Engine:
         *,
         scoring: Optional[str] = None,
         return_prompt: bool = False,
+        cancel: Optional[Callable[[], bool]] = None,
     ) -> ScoreResult:
-        scoring = scoring or self.default_scoring
-        if scoring not in ("label", "sequence"):
-            raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
-        for question in questions:
-            self.check_question(question, scoring)
+        """Plan and execute in one call (tools and tests; the HTTP layer plans before admission)."""
+        return self.execute(self.plan(state_text, questions, scoring=scoring, return_prompt=return_prompt), cancel=cancel)
+
+    def execute(self, plan: PromptPlan, *, cancel: Optional[Callable[[], bool]] = None) -> ScoreResult:
+        """Run a finished plan on the context. ``cancel`` is asked before each question; when it returns
+        True the engine raises Cancelled and the context stays consistent. Any other exception empties
+        the context and its bookkeeping, so the next request starts from a known state."""
         started = time.perf_counter()
         with self.lock:
-            if not self.prefix_cache:
+            try:
+                return self._execute(plan, cancel, started)
+            except Cancelled:
+                raise
+            except BaseException:
                 self.invalidate()
-            prefix_text, prefix = self.prefix_segments(state_text)
-            prefix_len = sum(len(s) for s in prefix)
-            suffixes = []
-            for index, question in enumerate(questions):
-                labels = self.labels.for_question(question).texts if scoring == "label" else None
-                text, tokens = self.question_tokens(question, labels)
-                answers = self._answer_tokens(question) if scoring == "sequence" else []
-                need = prefix_len + len(tokens) + max((len(a) for a in answers), default=0)
-                if need > self.n_ctx:
-                    raise PromptTooLong(need, self.n_ctx, field=f"questions[{index}]" if len(questions) > 1 else None)
-                suffixes.append((text, tokens, answers))
-            cached_from_before = 0
-            for held, wanted in zip(self._segments, prefix):
-                if held != tuple(wanted):
-                    break
-                cached_from_before += len(wanted)
-            distributions = []
-            evaluated = 0
-            for question, (text, tokens, answers) in zip(questions, suffixes):
-                q_started = time.perf_counter()
-                if scoring == "label":
-                    dist = self._score_labels(question, prefix, tokens)
-                else:
-                    dist = self._score_sequence(question, prefix, tokens, answers)
-                dist.compute_ms = (time.perf_counter() - q_started) * 1000
-                evaluated += dist.evaluated_tokens
-                if return_prompt:
-                    dist.prompt_text = prefix_text + text
-                distributions.append(dist)
-            if distributions and distributions[0].evaluated_tokens == 0:
-                cached_from_before = prefix_len  # answered from remembered logits: nothing was evaluated
+                raise
+
+    def _execute(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]], started: float) -> ScoreResult:
+        if not self.prefix_cache:
+            self.invalidate()
+        self._decoded_from = None
+        prefix = [list(s) for s in plan.prefix_segments]
+        prefix_len = plan.state_tokens
+        distributions = []
+        evaluated = memo_suffix_tokens = 0
+        for index, qplan in enumerate(plan.questions):
+            if cancel is not None and cancel():
+                raise Cancelled(index, len(plan.questions))
+            q_started = time.perf_counter()
+            suffix = qplan.suffix_tokens
+            if plan.scoring == "label":
+                dist = self._score_labels(qplan, prefix, suffix)
+            else:
+                dist = self._score_sequence(prefix, suffix, [list(a) for a in qplan.answer_tokens])
+            dist.compute_ms = (time.perf_counter() - q_started) * 1000
+            evaluated += dist.evaluated_tokens
+            if dist.evaluated_tokens == 0:
+                memo_suffix_tokens += len(suffix)
+            if plan.return_prompt:
+                dist.prompt_text = plan.prefix_text + qplan.text
+            distributions.append(dist)
+        # Honest reuse: the state prefix counts as cached only up to the first position this request
+        # had to evaluate (a later question may re-evaluate what an earlier memo hit skipped).
+        decoded_from = self._decoded_from
+        state_cached = prefix_len if decoded_from is None else min(prefix_len, decoded_from)
         return ScoreResult(
             distributions=distributions,
             state_tokens=prefix_len,
-            input_tokens=prefix_len + sum(len(s[1]) for s in suffixes),
-            cached_tokens=cached_from_before,
+            input_tokens=plan.input_tokens,
+            cached_tokens=state_cached + memo_suffix_tokens,
             evaluated_tokens=evaluated,
             compute_ms=(time.perf_counter() - started) * 1000,
+            state_cached_tokens=state_cached,
         )
 
     def _ensure_prefix(self, prefix: list[list[int]]) -> None:
@@ -419,13 +468,12 @@ class Engine:
             self._decode(segment, set())
         self._take_snapshot()
 
-    def _score_labels(self, question: Question, prefix: list[list[int]], suffix: list[int]) -> Distribution:
-        label_set = self.labels.for_question(question)
-        n = len(question.outcomes)
-        label_ids = list(label_set.token_ids[:n])
+    def _score_labels(self, qplan: QuestionPlan, prefix: list[list[int]], suffix: list[int]) -> Distribution:
+        label_ids = list(qplan.label_token_ids or ())
         total = sum(len(s) for s in prefix) + len(suffix)
-        key = _tokens_key(prefix, suffix, label_ids)
-        logits = self._label_memo.get(key) if self.prefix_cache else None
+        use_memo = self.label_memo and self.prefix_cache
+        key = _tokens_key(prefix, suffix, label_ids) if use_memo else b""
+        logits = self._label_memo.get(key) if use_memo else None
         if logits is not None:
             self._label_memo.move_to_end(key)
             reused, evaluated = total, 0
@@ -434,7 +482,7 @@ class Engine:
             rows, reused, evaluated = self._forward(prefix + [suffix], [total - 1])
             row = rows[total - 1]
             logits = [float(row[t]) for t in label_ids]
-            if self.prefix_cache:
+            if use_memo:
                 self._label_memo[key] = logits
                 while len(self._label_memo) > LABEL_MEMO_SIZE:
                     self._label_memo.popitem(last=False)
@@ -446,16 +494,10 @@ class Engine:
             evaluated_tokens=evaluated,
             scoring="label",
             label_token_ids=label_ids,
-            labels=list(label_set.texts[:n]),
+            labels=list(qplan.labels or ()),
         )
 
-    def _answer_tokens(self, question: Question) -> list[list[int]]:
-        prefix = self.template.label_prefix
-        return [self._tokenize(prefix + text, special=False) or [self.llm.token_eos()] for text in question.answer_texts()]
-
-    def _score_sequence(
-        self, question: Question, prefix: list[list[int]], suffix: list[int], answers: list[list[int]]
-    ) -> Distribution:
+    def _score_sequence(self, prefix: list[list[int]], suffix: list[int], answers: list[list[int]]) -> Distribution:
         """Cloze scoring: mean log-probability of each answer's tokens after the prompt. The prompt
         (less its last token) is evaluated once; each answer is one segment: the prompt's last token
         followed by the answer's tokens, with logits at every position."""

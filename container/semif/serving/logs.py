@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import sys
 import time
+from typing import Optional
 
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -33,3 +36,13 @@ def configure(level: str = "INFO") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+
+
+def state_digest_fields(state_text: str, hash_key: Optional[str] = None) -> dict:
+    """How a request's state appears in its log line: ``state_sha256``, or with SEMIF_LOG_HASH_KEY set,
+    ``state_hmac_sha256`` (HMAC-SHA256 under that key) and no plain hash, so a short or guessable state
+    cannot be confirmed by hashing candidates."""
+    data = state_text.encode("utf-8")
+    if hash_key:
+        return {"state_hmac_sha256": hmac.new(hash_key.encode("utf-8"), data, hashlib.sha256).hexdigest()}
+    return {"state_sha256": hashlib.sha256(data).hexdigest()}

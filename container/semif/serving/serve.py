@@ -39,6 +39,7 @@ def build_app(settings: Settings):
         n_threads=settings.n_threads,
         n_gpu_layers=settings.n_gpu_layers,
         prefix_cache=settings.prefix_cache,
+        label_memo=settings.label_memo,
         default_scoring=settings.scoring,
         model_sha256=digest,
     )
@@ -57,6 +58,7 @@ def build_app(settings: Settings):
             "manifest": manifest is not None,
             "labels": len(engine.labels.letters.texts),
             "partial_rewind": engine.partial_rewind,
+            "n_ctx": engine.n_ctx,
             "startup_s": round(time.perf_counter() - started, 3),
             "image_digest": settings.image_digest,
             "semif_version": __version__,
@@ -87,12 +89,18 @@ def example_curl(settings: Settings) -> str:
     import json
 
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    from .config import EMBEDDED_MODEL_FILE
+
     body = json.dumps(EXAMPLE_DECISION)
-    return (
+    text = (
         f"\nSemIf adapter ready on http://{host}:{settings.port} (model {settings.model_path.name}). Try:\n\n"
         f"curl -s http://{host}:{settings.port}/invocations -H 'Content-Type: application/json' \\\n"
         f"  -d '{body}'\n"
     )
+    if settings.model_path.name == EMBEDDED_MODEL_FILE:
+        text += ("\nThe embedded SmolLM2-135M is near chance on real decisions: it may well route this ticket to "
+                 "billing.\nServe a GGUF of your own with: SEMIF_MODEL_PATH=/path/to/model.gguf make run\n")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         log_level="warning",
         timeout_graceful_shutdown=30,
-        limit_concurrency=max(64, settings.max_queue * 4),
+        # No limit_concurrency: uvicorn counts every open connection (idle keep-alives too) and past the
+        # limit answers every request, /ping included, with a plain-text 503. Admission control is the
+        # only limit on model work; /ping must answer whatever the number of connections.
         h11_max_incomplete_event_size=16 * 1024,
         http=_header_timeout_protocol(read_timeout_s),
     )

@@ -12,15 +12,32 @@ from ..engine import ScoreResult
 from ..prompt import Question
 
 
+MAX_ECHO = 200  # an error never repeats more of the client's input than this many characters
+ECHO_PART = 64  # one echoed value (an id, a type name, a key) inside a message or a field path
+
+
+def excerpt(value: Any, limit: int = ECHO_PART) -> str:
+    """A client-supplied value as it may appear in an error: at most ``limit`` characters."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    # A lone surrogate (a JSON key such as "\\ud800") cannot be encoded into the UTF-8 response: escape it.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class RequestError(Exception):
-    """A bad request: status 4xx, a stable code, a message and the offending field."""
+    """A bad request: status 4xx, a stable code, a message and the offending field.
+
+    Messages and fields are clipped here, as a last guard: whatever a contract echoes, an error
+    repeats at most MAX_ECHO characters of client input in each."""
 
     def __init__(self, status: int, code: str, message: str, field: Optional[str] = None, details: Any = None):
+        message = excerpt(message, 2 * MAX_ECHO)
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
-        self.field = field
+        self.field = None if field is None else excerpt(field, MAX_ECHO)
         self.details = details
 
 
@@ -56,6 +73,12 @@ class Job:
     options_sha256: list[str] = field(default_factory=list)
     # Optional post-processing of probabilities (e.g. calibration), applied by the HTTP layer.
     decision_ids: list[Optional[str]] = field(default_factory=list)
+    # The contract's own names for what the prompt plan may refuse (413, 422): the state, each
+    # question (its path, and how its client knows it), and the request as a whole (token budget).
+    state_field: str = "state"
+    question_fields: Optional[list[str]] = None
+    question_names: Optional[list[str]] = None
+    budget_field: str = "questions"
 
 
 class Contract(Protocol):
@@ -79,7 +102,8 @@ def pydantic_field(loc: Sequence[Any]) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += f".{part}" if out else str(part)
+            part = excerpt(str(part))
+            out += f".{part}" if out else part
     return out or "<body>"
 
 
@@ -91,4 +115,4 @@ def first_validation_error(exc: ValidationError, code: str = "invalid_request") 
     message = err["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
-    return RequestError(422, code, f"{field_path}: {message}", field=field_path)
+    return RequestError(422, code, f"{field_path}: {excerpt(message, MAX_ECHO)}", field=field_path)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from ..engine import Distribution, ScoreResult
 from ..prompt import Outcome, Question, options_sha256
-from .base import Job, Limits, RequestError, RunContext
+from .base import Job, Limits, RequestError, RunContext, excerpt
 
 NAME = "openai_decisions"
 # Answered besides the served model's name (app.py checks): the one model the SDK documents.
@@ -32,6 +32,14 @@ def matches(body: Any) -> bool:
 
 def _bad(field: str, message: str, code: str = "invalid_request") -> RequestError:
     return RequestError(400, code, f"{field}: {message}" if field else message, field or None)
+
+
+def _shown(value: Any) -> str:
+    """A client value inside an error message: as JSON, clipped."""
+    try:
+        return excerpt(json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        return _type_name(value)
 
 
 def _type_name(value: Any) -> str:
@@ -60,7 +68,7 @@ def _text_parts(parts: Any, field: str, allowed: tuple[str, ...]) -> str:
         if kind not in allowed:
             if kind == "input_image":
                 raise _bad(f"{where}.type", "images are not supported: this server runs a text model", "unsupported_content")
-            raise _bad(f"{where}.type", f"must be one of {', '.join(allowed)} (got {json.dumps(kind)})")
+            raise _bad(f"{where}.type", f"must be one of {', '.join(allowed)} (got {_shown(kind)})")
         if kind in ("input_text", "output_text"):
             texts.append(_require(part.get("text"), str, f"{where}.text", "a string"))
         elif kind == "refusal":
@@ -88,7 +96,7 @@ def render_input(value: Any) -> str:
         if kind == "message":
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
-                raise _bad(f"{where}.role", f"must be one of {', '.join(_MESSAGE_ROLES)} (got {json.dumps(role)})")
+                raise _bad(f"{where}.role", f"must be one of {', '.join(_MESSAGE_ROLES)} (got {_shown(role)})")
             allowed = ("output_text", "refusal") if role == "assistant" else (
                 ("input_text", "input_json") if role == "user" else ("input_text",))
             blocks.append(f"{role}: {_text_parts(item.get('content'), f'{where}.content', allowed)}")
@@ -102,11 +110,11 @@ def render_input(value: Any) -> str:
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _require(item.get("call_id"), str, f"{where}.call_id", "a string")
             if (kind.removesuffix("_output"), call_id) not in calls:
-                raise _bad(f"{where}.call_id", f"no earlier {kind.removesuffix('_output')} has call_id {call_id!r}")
+                raise _bad(f"{where}.call_id", f"no earlier {kind.removesuffix('_output')} has call_id {excerpt(call_id)!r}")
             output = _text_parts(item.get("output"), f"{where}.output", ("input_text",))
             blocks.append(f"{kind} (call_id {call_id}): {output}")
         else:
-            raise _bad(f"{where}.type", f"unknown input item type {json.dumps(kind)}")
+            raise _bad(f"{where}.type", f"unknown input item type {_shown(kind)}")
     return "\n\n".join(blocks)
 
 
@@ -146,7 +154,7 @@ def _question(q: Any, field: str, limits: Limits) -> tuple[Question, dict]:
                 raise _bad(f"{where}.value", f"must be a string or a boolean, not {_type_name(value)}")
             typed = (type(value), value)  # a string and a boolean with the same text are distinct
             if typed in seen:
-                raise _bad(f"{where}.value", f"duplicate choice {json.dumps(value)}")
+                raise _bad(f"{where}.value", f"duplicate choice {_shown(value)}")
             seen.add(typed)
             values.append(value)
             outcomes.append(Outcome(json.dumps(value) if isinstance(value, bool) else value,
@@ -164,7 +172,7 @@ def _question(q: Any, field: str, limits: Limits) -> tuple[Question, dict]:
             labels.append(label)
             outcomes.append(Outcome(label, _optional_str(level, "description", where)))
         return Question(text, tuple(outcomes), kind="scale"), {"type": kind, "name": name, "labels": labels}
-    raise _bad(f"{field}.type", f"must be predicate, choice or score (got {json.dumps(kind)})")
+    raise _bad(f"{field}.type", f"must be predicate, choice or score (got {_shown(kind)})")
 
 
 def confidence_of_choice(probabilities: list[float]) -> float:
@@ -203,6 +211,10 @@ def parse(body: Any, limits: Limits) -> Job:
         raise _bad("questions", f"ask 1 to {limits.max_questions} questions (got {len(raw_questions)})", code)
     parsed = [_question(q, f"questions[{i}]", limits) for i, q in enumerate(raw_questions)]
     questions = [p[0] for p in parsed]
+    # Where a question's prompt can be too long: its outcomes (choices, levels) or, for a predicate, its instructions.
+    part = {"predicate": "instructions", "choice": "choices", "score": "levels"}
+    fields = [f"questions[{i}].{part[spec['type']]}" for i, (_, spec) in enumerate(parsed)]
+    names = [excerpt(spec["name"]) if spec["name"] is not None else f"questions[{i}]" for i, (_, spec) in enumerate(parsed)]
     hashes = [options_sha256([(o.key, o.description) for o in q.outcomes]) for q in questions]
 
     def render(result: ScoreResult, run: RunContext) -> dict:
@@ -214,9 +226,10 @@ def parse(body: Any, limits: Limits) -> Job:
             "model": run.served_model_name,
             "usage": {
                 "input_tokens": result.input_tokens,
-                # cached: state-prefix tokens really reused from an earlier request's context;
+                # cached: input tokens this request did not evaluate (reused from earlier requests);
                 # written: state-prefix tokens evaluated now and kept for the next request to reuse.
-                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": result.state_tokens - cached},
+                "input_tokens_details": {"cached_tokens": cached,
+                                         "cache_write_tokens": result.state_tokens - result.state_cached_tokens},
                 "output_tokens": 0,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": result.input_tokens,
@@ -224,7 +237,8 @@ def parse(body: Any, limits: Limits) -> Job:
         }
 
     # No decision_ids: a calibration keyed by question name would make answers depend on the names.
-    return Job(state_text=state_text, questions=questions, render=render, options_sha256=hashes)
+    return Job(state_text=state_text, questions=questions, render=render, options_sha256=hashes,
+               state_field="input", question_fields=fields, question_names=names, budget_field="questions")
 
 
 def _answer(spec: dict, dist: Distribution) -> dict:

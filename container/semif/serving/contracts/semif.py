@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..engine import ScoreResult
 from ..prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
-from .base import Job, Limits, RequestError, RunContext, first_validation_error
+from ..policy import Policy, PolicyError
+from .base import Job, Limits, RequestError, RunContext, excerpt, first_validation_error
 
 NAME = "semif"
 _MAX_TEXT = 200_000
@@ -46,7 +47,7 @@ class DecisionQuestion(_Strict):
         seen: set[str] = set()
         for index, option in enumerate(options):
             if option.id in seen:
-                raise ValueError(f"duplicate option id {option.id!r} at index {index}")
+                raise ValueError(f"duplicate option id {excerpt(option.id)!r} at index {index}")
             seen.add(option.id)
         return options
 
@@ -82,7 +83,7 @@ class BatchRequest(_Strict):
         seen: set[str] = set()
         for decision in self.decisions:
             if decision.id in seen:
-                raise ValueError(f"duplicate decision id {decision.id!r}")
+                raise ValueError(f"duplicate decision id {excerpt(decision.id)!r}")
             seen.add(decision.id)
         return self
 
@@ -204,9 +205,18 @@ def parse(body: Any, limits: Limits) -> Job:
         return_prompt=request.return_prompt,
         options_sha256=hashes,
         decision_ids=[d.id for d in decisions],
+        state_field="decision.state" if single else "state",
+        question_fields=["decision.options"] if single else [f"decisions[{i}].options" for i in range(len(decisions))],
+        question_names=[d.id for d in decisions],
+        budget_field="decision" if single else "decisions",
     )
     if request.policy is not None:
-        job.policy = request.policy.model_dump(exclude_none=True)  # read by semif/serving/policy.py's postprocessor
+        policy = request.policy.model_dump(exclude_none=True)
+        try:  # the policy module's own rules, checked now: never after the model has done the work
+            Policy.from_mapping(policy)
+        except PolicyError as exc:
+            raise RequestError(422, "invalid_request", f"{exc.field}: {exc}", exc.field) from None
+        job.policy = policy  # read by semif/serving/policy.py's postprocessor
     return job
 
 

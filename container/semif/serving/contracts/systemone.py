@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from ..engine import Distribution, ScoreResult
 from ..prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
-from .base import Job, Limits, RequestError, RunContext
+from .base import MAX_ECHO, Job, Limits, RequestError, RunContext, excerpt
 
 NAME = "systemone"
 MODEL_ALIAS = "jev-latest"  # the official SDKs' default model name
@@ -95,7 +95,13 @@ def as_text(value: Content) -> str:
     return json.dumps(value, ensure_ascii=False, indent=2)
 
 
+def _loc(loc: list) -> list:
+    """A location as it may be echoed: ids and keys clipped (a question id can be any length)."""
+    return [excerpt(p) if isinstance(p, str) else p for p in loc]
+
+
 def _invalid(loc: list, msg: str, kind: str, code: str = "invalid_request") -> RequestError:
+    loc = _loc(loc)
     field = ".".join(str(p) for p in loc)
     return RequestError(422, code, f"{field}: {msg}", field, details=[{"loc": ["body", *loc], "msg": msg, "type": kind}])
 
@@ -106,8 +112,8 @@ def _from_validation_error(exc: ValidationError) -> RequestError:
         loc = list(err["loc"])
         if len(loc) > 2 and loc[0] == "questions" and loc[2] in ("noul", "choice", "score"):
             del loc[2]  # the discriminated union's branch name, not a field
-        msg = err["msg"].removeprefix("Value error, ")
-        details.append({"loc": ["body", *loc], "msg": msg, "type": err["type"]})
+        msg = excerpt(err["msg"].removeprefix("Value error, "), MAX_ECHO)
+        details.append({"loc": ["body", *_loc(loc)], "msg": msg, "type": err["type"]})
     first = details[0]
     field = ".".join(str(p) for p in first["loc"][1:]) or "<body>"
     return RequestError(422, "invalid_request", f"{field}: {first['msg']}", field, details=details)
@@ -185,14 +191,18 @@ def parse(body: Any, limits: Limits) -> Job:
     if "" in ids:
         raise _invalid(["questions"], "question ids must not be empty", "value_error")
     questions: list[Question] = []
+    fields: list[str] = []
     for qid, q in request.questions.items():
         loc = ["questions", qid]
         if isinstance(q, NoulQuestion):
             questions.append(_noul_question(q, loc))
+            fields.append(f"questions.{excerpt(qid)}")
         elif isinstance(q, ChoiceQuestion):
             questions.append(_choice_question(q, loc, limits))
+            fields.append(f"questions.{excerpt(qid)}.criteria")
         else:
             questions.append(_score_question(q, loc))
+            fields.append(f"questions.{excerpt(qid)}.criteria")
     hashes = [options_sha256([(o.key, o.description) for o in question.outcomes]) for question in questions]
     state_text = as_text(request.state)
 
@@ -232,6 +242,10 @@ def parse(body: Any, limits: Limits) -> Job:
         render=render,
         # No decision_ids: a calibration keyed by question id would make answers depend on the ids.
         options_sha256=hashes,
+        state_field="state",
+        question_fields=fields,
+        question_names=[excerpt(qid) for qid in ids],
+        budget_field="questions",
     )
 
 
