@@ -128,6 +128,8 @@ def test_lines_not_reached_before_the_mini_batch_deadline_are_answered_with_erro
     lines = [semif_line(f"{TICKET} {uuid.uuid4().hex}"), systemone_line("late-1"), openai_line("late-2"), semif_line()]
     out = answer_lines(post_lines(client, lines))
     assert len(out) == 4
+    # The first record started in time but is stopped by the engine's cancel hook before its question ran.
+    assert out[0]["error"]["code"] == "deadline_exceeded" and "stopped after 0 of 1 questions" in out[0]["error"]["message"]
     assert out[1]["detail"]["code"] == "deadline_exceeded" and out[1]["id"] == "late-1"
     assert out[2]["error"]["code"] == "deadline_exceeded" and out[2]["id"] == "late-2"
     assert out[3]["error"]["code"] == "deadline_exceeded" and "SEMIF_BATCH_DEADLINE_S" in out[3]["error"]["message"]
@@ -136,14 +138,13 @@ def test_lines_not_reached_before_the_mini_batch_deadline_are_answered_with_erro
 def test_a_record_over_the_batch_token_budget_is_refused_and_the_others_answered(app_with, engine):
     from semif.serving.contracts import semif as semif_contract
     from semif.serving.contracts.base import Limits
-    from semif.serving.jsonlines import request_tokens
-
     short = semif_line("Short ticket.")
-    budget = request_tokens(engine, semif_contract.parse(short, Limits(255, 400)))
+    job = semif_contract.parse(short, Limits(255, 400))
+    budget = engine.plan(job.state_text, job.questions).worst_case_tokens
     client = app_with(batch_max_request_tokens=budget)
     long_state = "The parcel was damaged in transit and " * 20
     out = answer_lines(post_lines(client, [semif_line(long_state), short]))
-    assert out[0]["error"]["code"] == "too_many_tokens" and "SEMIF_BATCH_MAX_REQUEST_TOKENS" in out[0]["error"]["message"]
+    assert out[0]["error"]["code"] == "token_budget_exceeded" and "SEMIF_BATCH_MAX_REQUEST_TOKENS" in out[0]["error"]["message"]
     assert out[1]["prompt"]["tokens"] == budget
 
 

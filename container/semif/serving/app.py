@@ -360,22 +360,38 @@ class DecisionService:
             fields["image_digest"] = self.settings.image_digest
             log.info("request", extra=fields)
 
-    async def answer_record(self, body: Any, contract, *, request_id: str, max_request_tokens: int = 0
+    async def answer_record(self, body: Any, contract, *, request_id: str, max_request_tokens: Optional[int] = None,
+                            cancel: Optional[Callable[[], bool]] = None, deadline_s: Optional[float] = None,
                             ) -> tuple[int, dict, dict]:
-        """One record of a JSON Lines mini-batch (semif/serving/jsonlines.py): parse → admission → engine →
-        render. Returns (status, the answer or the contract's error body, log fields). Overloaded propagates:
-        the mini-batch as a whole is refused so that Batch Transform retries it."""
+        """One record of a JSON Lines mini-batch (semif/serving/jsonlines.py), on the same path as a JSON request:
+        parse, plan off the model thread (fencing, tokens, length and budget checks), admission, execute with
+        ``cancel`` checked between questions, render. Returns (status, the answer or the contract's error body,
+        log fields). Overloaded propagates: the mini-batch as a whole is refused so that Batch Transform retries it."""
         fields: dict[str, Any] = {}
         try:
             job = contract.parse(body, self.limits)
             _check_model_name(contract, body, self.settings)
             engine = self.engine
-
-            def work():
-                jsonlines.check_token_budget(engine, job, max_request_tokens)
-                return engine.score(job.state_text, job.questions, scoring=job.scoring, return_prompt=job.return_prompt)
-
-            result, admitted = await self.admission.run(work)
+            try:
+                plan = await asyncio.to_thread(
+                    engine.plan, job.state_text, job.questions, scoring=job.scoring, return_prompt=job.return_prompt,
+                    state_field=job.state_field, question_fields=job.question_fields,
+                    question_names=job.question_names, budget_field=job.budget_field,
+                    max_request_tokens=max_request_tokens,
+                )
+            except TokenBudgetExceeded as over:
+                raise RequestError(413, over.code, f"the record may evaluate up to {over.tokens} tokens; a batch record "
+                                   f"may use {over.budget} (SEMIF_BATCH_MAX_REQUEST_TOKENS)", over.field,
+                                   {"tokens": over.tokens, "budget": over.budget}) from None
+            try:
+                result, admitted = await self.admission.run(lambda: engine.execute(plan, cancel=cancel))
+            except Cancelled as stopped:
+                fields["questions_done"] = stopped.done
+                raise RequestError(
+                    504, "deadline_exceeded",
+                    f"the record did not finish within the mini-batch deadline of {deadline_s:g} s "
+                    f"(SEMIF_BATCH_DEADLINE_S; {stopped}); resubmit it", None,
+                ) from None
             for post in self.postprocessors:
                 post(job, result)
             run = RunContext(request_id=request_id, model=engine.info, served_model_name=self.settings.served_model_name,

@@ -29,7 +29,7 @@ from . import chat
 from .admission import Overloaded
 from .contracts import semif as semif_contract
 from .contracts.base import RequestError
-from .engine import EngineError, LabelError, PromptTooLong
+from .engine import EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
 
 log = logging.getLogger("semif.http")
 
@@ -61,6 +61,8 @@ def as_request_error(error: Exception) -> RequestError:
     """The engine's refusals as the 4xx/5xx a contract renders (the same mapping as a JSON request's)."""
     if isinstance(error, RequestError):
         return error
+    if isinstance(error, TokenBudgetExceeded):
+        return RequestError(413, error.code, str(error), error.field, {"tokens": error.tokens, "budget": error.budget})
     if isinstance(error, PromptTooLong):
         return RequestError(413, error.code, str(error), error.field or "state", {"tokens": error.tokens, "n_ctx": error.n_ctx})
     if isinstance(error, LabelError):
@@ -70,44 +72,17 @@ def as_request_error(error: Exception) -> RequestError:
     return RequestError(500, "internal_error", "internal error; see the server log", None)
 
 
-def request_tokens(engine, job) -> int:
-    """Distinct prompt tokens of a parsed request (state prefix once, every question suffix), counted
-    before anything is evaluated: what `SEMIF_BATCH_MAX_REQUEST_TOKENS` bounds."""
-    scoring = job.scoring or engine.default_scoring
-    _, prefix = engine.prefix_segments(job.state_text)
-    total = sum(len(segment) for segment in prefix)
-    for question in job.questions:
-        labels = engine.labels.for_question(question).texts if scoring == "label" else None
-        total += len(engine.question_tokens(question, labels)[1])
-    return total
-
-
-def check_token_budget(engine, job, budget: int) -> None:
-    if budget <= 0:
-        return
-    tokens = request_tokens(engine, job)
-    if tokens > budget:
-        raise RequestError(413, "too_many_tokens", f"the record needs {tokens} prompt tokens; a batch record may use "
-                           f"{budget} (SEMIF_BATCH_MAX_REQUEST_TOKENS)", "<body>", {"tokens": tokens, "budget": budget})
-
-
 def _parse_line(raw: bytes, number: int) -> Any:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(400, "invalid_json", f"line {number} is not UTF-8 (byte {exc.start})", "<line>") from None
-    if not text.strip():
+    """A record, parsed as strictly as a JSON body (unique keys, bounded depth, finite numbers, no lone
+    surrogates); the error says which line of the mini-batch."""
+    from .app import parse_json
+
+    if not raw.strip():
         raise RequestError(400, "invalid_json", f"line {number} is empty; send one JSON object per line", "<line>")
     try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise RequestError(400, "invalid_json", f"line {number}: the JSON is nested too deeply", "<line>") from None
-    except ValueError as exc:
-        raise RequestError(400, "invalid_json", f"line {number}: malformed JSON: {exc}", "<line>") from None
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
+        return parse_json(raw)
+    except RequestError as error:
+        raise RequestError(error.status, error.code, f"line {number}: {error}", error.field, error.details) from None
 
 
 def record_id(body: Any) -> Optional[str]:
@@ -193,7 +168,8 @@ async def handle(service, request: Request) -> Response:
                                        "resubmit it", "<line>")
                 status_of_line, answer, record_fields = await service.answer_record(
                     body, contract, request_id=f"{request_id}:{number}",
-                    max_request_tokens=settings.batch_max_request_tokens)
+                    max_request_tokens=settings.batch_max_request_tokens or None,
+                    cancel=lambda: time.perf_counter() > deadline, deadline_s=settings.batch_deadline_s)
                 if status_of_line != 200:
                     errors[record_fields.get("error_code", "error")] += 1
                     answer = dict(answer)
