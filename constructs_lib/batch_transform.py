@@ -18,7 +18,7 @@ from constructs import Construct
 from constructs_lib.image_sources import ContainerImageSource
 from constructs_lib.model_bucket import BATCH_ROOT, grant_model_read
 from constructs_lib.nag import acknowledge_wildcard_resource
-from constructs_lib.serving_endpoint import _model_data
+from constructs_lib.serving_endpoint import isolated_model
 
 TRANSFORM_LOG_GROUP = "/aws/sagemaker/TransformJobs"
 INPUT_PATTERN = f"{BATCH_ROOT}*/in/*"
@@ -81,18 +81,6 @@ class BatchTransform(Construct):
         # Writing SSE-KMS objects needs a data key from the bucket's key (reading already has kms:Decrypt).
         iam.Grant.add_to_principal(grantee=self.role, actions=["kms:GenerateDataKey"], resource_arns=[model_key.key_arn])
 
-        self.cfn_model = sagemaker.CfnModel(
-            self,
-            "Model",
-            execution_role_arn=self.role.role_arn,
-            enable_network_isolation=True,
-            primary_container=sagemaker.CfnModel.ContainerDefinitionProperty(
-                image=image_uri,
-                mode="SingleModel",
-                environment=dict(environment),
-                **_model_data(model_bucket.bucket_name, model_prefix),
-            ),
-        )
-        # SageMaker checks the role's access when it creates the model: policies must exist first.
-        self.cfn_model.node.add_dependency(self.role.node.find_child("DefaultPolicy"))
+        self.cfn_model = isolated_model(self, role=self.role, image_uri=image_uri, bucket_name=model_bucket.bucket_name,
+                                        model_prefix=model_prefix, environment=environment)
         self.model_name = self.cfn_model.attr_model_name

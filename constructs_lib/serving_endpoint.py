@@ -132,20 +132,8 @@ class ServingEndpoint(Construct):
                 actions=["kms:CreateGrant"], resources=[self.volume_key.key_arn],
                 conditions={"Bool": {"kms:GrantIsForAWSResource": "true"}}))
 
-        self.cfn_model = sagemaker.CfnModel(
-            self,
-            "Model",
-            execution_role_arn=self.role.role_arn,
-            enable_network_isolation=True,
-            primary_container=sagemaker.CfnModel.ContainerDefinitionProperty(
-                image=image_uri,
-                mode="SingleModel",
-                environment=dict(environment),
-                **_model_data(model_bucket.bucket_name, model_prefix),
-            ),
-        )
-        # SageMaker checks the role's access when it creates the model: policies must exist first.
-        self.cfn_model.node.add_dependency(self.role.node.find_child("DefaultPolicy"))
+        self.cfn_model = isolated_model(self, role=self.role, image_uri=image_uri, bucket_name=model_bucket.bucket_name,
+                                        model_prefix=model_prefix, environment=environment)
 
         variant = sagemaker.CfnEndpointConfig.ProductionVariantProperty(
             variant_name=VARIANT_NAME,
@@ -284,6 +272,26 @@ def target_concurrency(*, admitted_per_instance: int, fraction: float) -> float:
     target sits well below it. Rounded to a tenth (the metric is an average over instances).
     """
     return max(1.0, math.floor(admitted_per_instance * fraction * 10) / 10)
+
+
+def isolated_model(scope: Construct, *, role: iam.Role, image_uri: str, bucket_name: str, model_prefix: str,
+                   environment: Mapping[str, str]) -> sagemaker.CfnModel:
+    """A network-isolated SageMaker Model of one image and one model prefix, created after its role's policy
+    (SageMaker checks the role's access when it creates the model). The endpoint and Batch Transform share it."""
+    model = sagemaker.CfnModel(
+        scope,
+        "Model",
+        execution_role_arn=role.role_arn,
+        enable_network_isolation=True,
+        primary_container=sagemaker.CfnModel.ContainerDefinitionProperty(
+            image=image_uri,
+            mode="SingleModel",
+            environment=dict(environment),
+            **_model_data(bucket_name, model_prefix),
+        ),
+    )
+    model.node.add_dependency(role.node.find_child("DefaultPolicy"))
+    return model
 
 
 def _model_data(bucket_name: str, model_prefix: str) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Label vs sequence accuracy and p50 latency of one GGUF on the labeled sample, in-process.
 
-usage: python tools/quality_accuracy.py MODEL.gguf   (e.g. the quality reference model from ../shared/tools/quality-model)
+usage: python tools/quality_accuracy.py MODEL.gguf   (e.g. the quality reference model, Qwen2.5-Coder-1.5B-Instruct Q4_K_M)
 """
 import json, time, sys
 from pathlib import Path

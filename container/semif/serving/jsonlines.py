@@ -116,19 +116,6 @@ def split_lines(raw: bytes) -> list[bytes]:
     return [line[:-1] if line.endswith(b"\r") else line for line in lines]
 
 
-async def read_raw(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise RequestError(413, "body_too_large", f"mini-batch of {declared} bytes exceeds {max_bytes}", "<body>")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise RequestError(413, "body_too_large", f"mini-batch exceeds {max_bytes} bytes", "<body>")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def handle(service, request: Request) -> Response:
     """Answer one mini-batch: one line out per line in, in order."""
     settings = service.settings
@@ -144,8 +131,9 @@ async def handle(service, request: Request) -> Response:
     status = 200
     try:
         limit = max_payload_mb(settings) * MIB
-        raw = await asyncio.wait_for(read_raw(request, limit), service.body_timeout_s)
-        from .app import SAGEMAKER_ATTRIBUTES, _custom_attribute  # the same override header as a JSON request
+        from .app import SAGEMAKER_ATTRIBUTES, _custom_attribute, read_bytes  # as for a JSON request
+
+        raw = await asyncio.wait_for(read_bytes(request, limit, what="mini-batch"), service.body_timeout_s)
 
         override = _custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
         lines = split_lines(raw)
