@@ -29,6 +29,12 @@ HOURLY_USD: dict[str, float] = {
 }
 
 
+def cost_per_thousand_records(instance_type: str, records_per_s: float) -> float:
+    """Batch Transform (billed at the inference rate): instance time only, no startup, S3 or transfer;
+    price per hour / records per hour × 1,000 (docs/batch.md)."""
+    return HOURLY_USD[instance_type] / (records_per_s * 3600) * 1000
+
+
 @dataclass(frozen=True)
 class CapacityCost:
     environment: str

@@ -142,17 +142,18 @@ def main() -> int:
                   f"{r['evaluated_tokens']:>10}")
         print(f"{case:<16} {'JSON Lines / single':<24} {results[case]['json_lines_over_single']:>10.2f}")
     print(f"shared / distinct states (JSON Lines records/s): {results['shared_over_distinct_json_lines']:.2f}")
-    from semif.tools.batch import ON_DEMAND_USD_PER_HOUR, PRICES_AS_OF, cost_per_thousand_records
+    sys.path.insert(0, str(REPO))  # the CDK app's price constants: one table for synth and for this
+    from config.pricing import HOURLY_USD, PRICES_AS_OF, cost_per_thousand_records
 
     # Only the throughput measured here is real: this machine's CPU, an instance with more vCPUs does at least as
     # well, so for CPU instance types the figure is an upper bound. GPU types are not measured: no figure.
     results["cost_per_1000_records_at_this_throughput"] = {}
     print(f"instance time per 1,000 records at this machine's JSON Lines throughput (prices of {PRICES_AS_OF}):")
-    for instance_type in (t for t in ON_DEMAND_USD_PER_HOUR if not t.startswith(("ml.g", "ml.p", "ml.inf"))):
+    for instance_type in (t for t in HOURLY_USD if not t.startswith(("ml.g", "ml.p", "ml.inf"))):
         costs = {case: cost_per_thousand_records(instance_type, results[case]["json_lines"]["records_per_s"])
                  for case in ("distinct_states", "shared_states")}
         results["cost_per_1000_records_at_this_throughput"][instance_type] = costs
-        print(f"  {instance_type:<16} ${ON_DEMAND_USD_PER_HOUR[instance_type]:.4f}/h: distinct ${costs['distinct_states']:.3f}, "
+        print(f"  {instance_type:<16} ${HOURLY_USD[instance_type]:.4f}/h: distinct ${costs['distinct_states']:.3f}, "
               f"shared ${costs['shared_states']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

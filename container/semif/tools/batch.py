@@ -36,24 +36,6 @@ INVOCATION_TIMEOUT_S = 3600
 LOCAL_RECORDS_PER_BATCH = 32
 
 
-# On-demand SageMaker prices (USD per instance-hour, us-east-1; Batch Transform bills the inference rate) of the
-# decision instance types in config/environments.json, as of PRICES_AS_OF. Check the price list before budgeting:
-# https://aws.amazon.com/sagemaker/pricing/ (docs/batch.md, "Cost").
-PRICES_AS_OF = "2026-12-01"
-ON_DEMAND_USD_PER_HOUR = {
-    "ml.c6i.8xlarge": 1.632,
-    "ml.g4dn.xlarge": 0.736,
-    "ml.g5.xlarge": 1.408,
-    "ml.g6.xlarge": 1.1267,
-    "ml.g6e.xlarge": 2.6054,
-}
-
-
-def cost_per_thousand_records(instance_type: str, records_per_s: float) -> float:
-    """Instance time only (no startup, S3 or transfer): price per hour / records per hour × 1,000."""
-    return ON_DEMAND_USD_PER_HOUR[instance_type] / (records_per_s * 3600) * 1000
-
-
 class BatchError(Exception):
     """A problem the user can fix; the message says how."""
 
