@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from aws_cdk import ArnFormat, Stack, aws_iam as iam, aws_kms as kms, aws_s3 as s3, aws_sagemaker as sagemaker
+from aws_cdk import ArnFormat, Stack, aws_iam as iam, aws_kms as kms, aws_s3 as s3
 from constructs import Construct
 
 from constructs_lib.image_sources import ContainerImageSource
-from constructs_lib.model_bucket import BATCH_ROOT, grant_model_read
+from constructs_lib.model_bucket import BATCH_ROOT
 from constructs_lib.nag import acknowledge_wildcard_resource
-from constructs_lib.serving_endpoint import isolated_model
+from constructs_lib.serving_endpoint import grant_model_runtime, isolated_model
 
 TRANSFORM_LOG_GROUP = "/aws/sagemaker/TransformJobs"
 INPUT_PATTERN = f"{BATCH_ROOT}*/in/*"
@@ -43,12 +43,8 @@ class BatchTransform(Construct):
                              description="Execution role of the decision model's Batch Transform jobs")
 
         # Run the model: the same grants as the endpoint's role.
-        object_pattern = grant_model_read(self.role, bucket=model_bucket, key=model_key, model_prefix=model_prefix)
-        if object_pattern.endswith("*"):
-            acknowledge_wildcard_resource(self.role, model_bucket.arn_for_objects(object_pattern),
-                                          "Reads the objects under this model's own prefix (GGUF and manifest), "
-                                          "whose file names the stack does not know.")
-        image_uri = image.bind(self, self.role)
+        image_uri = grant_model_runtime(self, self.role, image=image, model_bucket=model_bucket, model_key=model_key,
+                                        model_prefix=model_prefix)
         log_streams = stack.format_arn(service="logs", resource="log-group", resource_name=f"{TRANSFORM_LOG_GROUP}:*",
                                        arn_format=ArnFormat.COLON_RESOURCE_NAME)
         self.role.add_to_policy(iam.PolicyStatement(

@@ -103,12 +103,8 @@ class ServingEndpoint(Construct):
 
         self.role = iam.Role(self, "ExecutionRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
                              description=f"Execution role of SageMaker endpoint {endpoint_name}")
-        object_pattern = grant_model_read(self.role, bucket=model_bucket, key=model_key, model_prefix=model_prefix)
-        if object_pattern.endswith("*"):
-            acknowledge_wildcard_resource(self.role, model_bucket.arn_for_objects(object_pattern),
-                                          "Reads the objects under this model's own prefix (GGUF and manifest), "
-                                          "whose file names the stack does not know.")
-        image_uri = image.bind(self, self.role)
+        image_uri = grant_model_runtime(self, self.role, image=image, model_bucket=model_bucket, model_key=model_key,
+                                        model_prefix=model_prefix)
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
             resources=[self.log_group.log_group_arn],
@@ -272,6 +268,18 @@ def target_concurrency(*, admitted_per_instance: int, fraction: float) -> float:
     target sits well below it. Rounded to a tenth (the metric is an average over instances).
     """
     return max(1.0, math.floor(admitted_per_instance * fraction * 10) / 10)
+
+
+def grant_model_runtime(scope: Construct, role: iam.Role, *, image: ContainerImageSource, model_bucket: s3.IBucket,
+                        model_key: kms.IKey, model_prefix: str) -> str:
+    """What running the model needs, for an endpoint's role and Batch Transform's alike: read the model's own
+    prefix (and decrypt it), pull the image. Returns the image URI."""
+    object_pattern = grant_model_read(role, bucket=model_bucket, key=model_key, model_prefix=model_prefix)
+    if object_pattern.endswith("*"):
+        acknowledge_wildcard_resource(role, model_bucket.arn_for_objects(object_pattern),
+                                      "Reads the objects under this model's own prefix (GGUF and manifest), "
+                                      "whose file names the stack does not know.")
+    return image.bind(scope, role)
 
 
 def isolated_model(scope: Construct, *, role: iam.Role, image_uri: str, bucket_name: str, model_prefix: str,
