@@ -698,7 +698,7 @@ def write_report_plots(report: dict, series: dict, out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .evaluate import write_plots
+    from .evaluate import save_figure, write_plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -711,11 +711,7 @@ def write_report_plots(report: dict, series: dict, out_dir: Path) -> list[str]:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("decisions")
         ax.set_title(f"{name} — {len(values)} decisions, {Path(report['output']).name}", fontsize=10)
-        fig.tight_layout()
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
+        written.append(save_figure(fig, out_dir / f"{name}.png"))
     if "evaluation" in report:
         run = dict(report["evaluation"])
         run["cases_detail"] = []  # no client-side latency in a batch output

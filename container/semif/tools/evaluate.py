@@ -594,11 +594,7 @@ def write_plots(report: dict, out_dir: Path, *, prefix: str = "") -> list[str]:
         ax.set_title(f"{scoring} scoring, ECE raw {_fmt(ece_raw)}")
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"Reliability (15 bins, marker size = cases) — {model}", fontsize=10)
-    fig.tight_layout()
-    path = out_dir / f"{prefix}reliability.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(str(path))
+    written.append(save_figure(fig, out_dir / f"{prefix}reliability.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     for scoring, run in runs.items():
@@ -618,11 +614,7 @@ def write_plots(report: dict, out_dir: Path, *, prefix: str = "") -> list[str]:
     ax.set_ylim(0, 1.02)
     ax.set_title(f"Accuracy vs coverage — {model}", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / f"{prefix}accuracy-coverage.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(str(path))
+    written.append(save_figure(fig, out_dir / f"{prefix}accuracy-coverage.png"))
 
     series = {f"decision {s}": [c["latency_ms"] for c in run["cases_detail"] if c["error"] is None] for s, run in runs.items()}
     if chat and "cases_detail" in chat:
@@ -639,12 +631,18 @@ def write_plots(report: dict, out_dir: Path, *, prefix: str = "") -> list[str]:
     ax.set_ylabel("cases")
     ax.set_title(f"Latency — {model}", fontsize=10)
     ax.legend(fontsize=8)
+    written.append(save_figure(fig, out_dir / f"{prefix}latency.png"))
+    return written
+
+
+def save_figure(fig, path: Path) -> str:
+    """Lay out, write and close one figure (semif-eval's plots and semif-batch report's); its path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    path = out_dir / f"{prefix}latency.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    written.append(str(path))
-    return written
+    return str(path)
 
 
 def _json_default(value):
