@@ -25,10 +25,10 @@ from .auth import BearerAuth
 from .config import Settings
 from .contracts import semif as semif_contract
 from .contracts import openai_decisions, systemone
-from .contracts.base import Job, Limits, RequestError, RunContext, excerpt, pydantic_field
+from .contracts.base import Job, Limits, RequestError, RunContext, excerpt, pydantic_field, resolve_layout
 from .engine import Cancelled, EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
 from .logs import state_digest_fields
-from .policy import DecisionPostprocessor, log_fields as policy_log_fields
+from .policy import DecisionPostprocessor, log_fields as policy_log_fields, needs_injection_check
 
 log = logging.getLogger("semif.http")
 
@@ -219,6 +219,15 @@ class DecisionService:
         # A body that has not fully arrived by then gets 408 (slow-loris clients hold no slot forever).
         self.body_timeout_s = BODY_TIMEOUT_S
 
+    def prompt_options(self, job: Job) -> dict:
+        """Layout and injection check for one request: what it asked, else the server's defaults
+        (SEMIF_LAYOUT, SEMIF_INJECTION_CHECK); a policy with max_injection always runs the check."""
+        check = job.injection_check if job.injection_check is not None else self.settings.injection_check
+        if needs_injection_check(getattr(job, "policy", None), self.decision_postprocessor.default_policy):
+            check = True
+        return {"layout": resolve_layout(job, self.settings.layout), "injection_check": check,
+                "layout_field": job.layout_field}
+
     async def read_body(self, request: Request) -> Any:
         """The parsed JSON body, read once per request: /invocations peeks at it to pick chat or decisions
         before the handler runs, and the handler gets the same body (or the same error) again."""
@@ -279,7 +288,9 @@ class DecisionService:
                 engine.plan, job.state_text, job.questions, scoring=job.scoring, return_prompt=job.return_prompt,
                 state_field=job.state_field, question_fields=job.question_fields, question_names=job.question_names,
                 budget_field=job.budget_field, max_request_tokens=self.settings.max_request_tokens,
+                **self.prompt_options(job),
             )
+            fields.update(layout=plan.layout, plan_template_version=plan.template_version)
             deadline = time.monotonic() + self.settings.request_deadline_s - (time.perf_counter() - started)
             gone = threading.Event()
 
@@ -320,6 +331,8 @@ class DecisionService:
                 margin=_min_margin(result),
             )
             fields.update(policy_log_fields(result))
+            if result.injection_suspected is not None:
+                fields["injection_suspected"] = round(result.injection_suspected, 6)
             return JSONResponse(payload, status_code=200, headers=headers)
         except RequestError as error:
             fields.update(status=error.status, error_code=error.code, error_field=error.field)
@@ -382,7 +395,7 @@ class DecisionService:
                     engine.plan, job.state_text, job.questions, scoring=job.scoring, return_prompt=job.return_prompt,
                     state_field=job.state_field, question_fields=job.question_fields,
                     question_names=job.question_names, budget_field=job.budget_field,
-                    max_request_tokens=max_request_tokens,
+                    max_request_tokens=max_request_tokens, **self.prompt_options(job),
                 )
             except TokenBudgetExceeded as over:
                 raise RequestError(413, over.code, f"the record may evaluate up to {over.tokens} tokens; a batch record "

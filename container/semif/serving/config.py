@@ -109,6 +109,12 @@ class Settings:
     # below the 3600 s invocation timeout semif-batch sets; 0 tokens = no budget beyond the context.
     batch_deadline_s: float = 3300.0
     batch_max_request_tokens: int = 0
+    # Prompt layout when a request does not say (issue #14 §3): state_first or options_first (routing).
+    # A request with several questions uses state_first whatever this says.
+    layout: str = "state_first"
+    # Run the injection check (issue #11 §4) on every request that does not say; a policy with
+    # max_injection turns it on for its requests regardless.
+    injection_check: bool = False
 
     @property
     def served_model_name(self) -> str:
@@ -130,6 +136,9 @@ class Settings:
         require_gpu = _bool(env, "SEMIF_REQUIRE_GPU", False)
         if require_gpu and _int(env, "SEMIF_N_GPU_LAYERS", -1, minimum=-1) == 0:
             raise SettingsError("SEMIF_REQUIRE_GPU=1 with SEMIF_N_GPU_LAYERS=0 would never use the GPU")
+        layout = env.get("SEMIF_LAYOUT", "state_first").strip().lower() or "state_first"
+        if layout not in ("state_first", "options_first"):
+            raise SettingsError(f"SEMIF_LAYOUT={layout!r} must be state_first or options_first")
         max_options = _int(env, "SEMIF_MAX_OPTIONS", 255, minimum=2)
         if max_options > 255:
             raise SettingsError(f"SEMIF_MAX_OPTIONS={max_options} must be <= 255")
@@ -162,6 +171,8 @@ class Settings:
             require_gpu=require_gpu,
             batch_deadline_s=_float(env, "SEMIF_BATCH_DEADLINE_S", 3300.0, minimum=0.001),
             batch_max_request_tokens=_int(env, "SEMIF_BATCH_MAX_REQUEST_TOKENS", 0, minimum=0),
+            layout=layout,
+            injection_check=_bool(env, "SEMIF_INJECTION_CHECK", False),
         )
 
 

@@ -61,6 +61,8 @@ class Distribution:
     labels: Optional[list[str]] = None
     prompt_text: Optional[str] = None
     compute_ms: float = 0.0
+    # p(yes) of the request's injection check (the same value on every answer of the request), or None.
+    injection_suspected: Optional[float] = None
 
 
 @dataclass
@@ -74,6 +76,9 @@ class ScoreResult:
     evaluated_tokens: int  # tokens run through the model (a re-evaluated token counts each time)
     compute_ms: float
     state_cached_tokens: int = 0  # of the state prefix, tokens reused from earlier requests
+    template_version: str = TEMPLATE_VERSION  # what the plan ran: names the layout (e.g. "+options-first")
+    layout: str = "state_first"
+    injection_suspected: Optional[float] = None  # p(yes) of the injection check, when the plan had one
 
 
 def softmax(logits: Sequence[float]) -> list[float]:
@@ -218,6 +223,8 @@ class Engine:
             eos_text=self._piece(eos_id),
         )
         self.labels: Labels = self.template.select_labels(lambda text: self._tokenize(text, special=True))
+        # Turn markers this template writes as plain text for this vocabulary: escaped inside every state.
+        self.template.detect_plain_markers(self._tokenize)
         self.n_gpu_layers = n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0
         self.info = {
             "file": self.model_path.name,
@@ -234,6 +241,7 @@ class Engine:
             "template_version": TEMPLATE_VERSION,
             "template_sha256": self.template.sha256,
             "max_label_options": len(self.labels.letters.texts),
+            "plain_turn_markers": list(self.template.plain_markers),
         }
 
     # ---- tokens -------------------------------------------------------------------------------
@@ -271,10 +279,13 @@ class Engine:
         question_names: Optional[Sequence[str]] = None,
         budget_field: str = "questions",
         max_request_tokens: Optional[int] = None,
+        layout: str = "state_first",
+        injection_check: bool = False,
+        layout_field: str = "layout",
     ) -> PromptPlan:
         """Everything per request that does not need the context: fencing, tokens, labels, length and
         budget checks. Safe to call from any thread while the model thread computes: llama.cpp's
-        tokenizer only reads the vocabulary."""
+        tokenizer only reads the vocabulary. ``layout`` and ``injection_check``: see plan.build_plan."""
         scoring = scoring or self.default_scoring
         if scoring not in ("label", "sequence"):
             raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
@@ -284,6 +295,7 @@ class Engine:
             n_ctx=self.n_ctx, n_batch=self.n_batch, state_text=state_text, questions=questions, scoring=scoring,
             state_field=state_field, question_fields=question_fields, question_names=question_names,
             budget_field=budget_field, max_request_tokens=max_request_tokens, return_prompt=return_prompt,
+            layout=layout, injection_check=injection_check, layout_field=layout_field,
         )
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
@@ -396,9 +408,13 @@ class Engine:
         scoring: Optional[str] = None,
         return_prompt: bool = False,
         cancel: Optional[Callable[[], bool]] = None,
+        layout: str = "state_first",
+        injection_check: bool = False,
     ) -> ScoreResult:
         """Plan and execute in one call (tools and tests; the HTTP layer plans before admission)."""
-        return self.execute(self.plan(state_text, questions, scoring=scoring, return_prompt=return_prompt), cancel=cancel)
+        planned = self.plan(state_text, questions, scoring=scoring, return_prompt=return_prompt, layout=layout,
+                            injection_check=injection_check)
+        return self.execute(planned, cancel=cancel)
 
     def execute(self, plan: PromptPlan, *, cancel: Optional[Callable[[], bool]] = None) -> ScoreResult:
         """Run a finished plan on the context. ``cancel`` is asked before each question; when it returns
@@ -438,6 +454,15 @@ class Engine:
             if plan.return_prompt:
                 dist.prompt_text = plan.prefix_text + qplan.text
             distributions.append(dist)
+        injection_suspected = None
+        if plan.injection_check is not None:
+            if cancel is not None and cancel():
+                raise Cancelled(len(plan.questions), len(plan.questions))
+            injection_suspected, check_evaluated, check_memo = self._injection_check(plan, prefix)
+            evaluated += check_evaluated
+            memo_suffix_tokens += check_memo
+            for dist in distributions:
+                dist.injection_suspected = injection_suspected
         # Honest reuse: the state prefix counts as cached only up to the first position this request
         # had to evaluate (a later question may re-evaluate what an earlier memo hit skipped).
         decoded_from = self._decoded_from
@@ -450,7 +475,17 @@ class Engine:
             evaluated_tokens=evaluated,
             compute_ms=(time.perf_counter() - started) * 1000,
             state_cached_tokens=state_cached,
+            template_version=plan.template_version,
+            layout=plan.layout,
+            injection_suspected=injection_suspected,
         )
+
+    def _injection_check(self, plan: PromptPlan, prefix: list[list[int]]) -> tuple[float, int, int]:
+        """p(yes) of the plan's injection check, scored from the same prefix as its questions (the state is
+        already in the context). Returns (probability, evaluated tokens, suffix tokens answered by the memo)."""
+        check = plan.injection_check
+        dist = self._score_labels(check, prefix, check.suffix_tokens)
+        return dist.probabilities[0], dist.evaluated_tokens, len(check.suffix_tokens) if dist.evaluated_tokens == 0 else 0
 
     def _ensure_prefix(self, prefix: list[list[int]]) -> None:
         """For models that cannot rewind partially: bring the context to exactly the state prefix and

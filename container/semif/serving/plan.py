@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from .prompt import TEMPLATE_VERSION, Labels, PromptTemplate, Question
+from .prompt import DEFAULT_LAYOUT, INJECTION_CHECK_QUESTION, LAYOUTS, Labels, Outcome, PromptTemplate, Question
 
 Tokenize = Callable[..., list]  # (text, *, special: bool, add_bos: bool = False) -> token ids
 
@@ -105,10 +105,18 @@ class PromptPlan:
     state_text: str
     scoring: str
     template_version: str
-    prefix_pieces: tuple[Piece, ...]  # template head (special tokens allowed), fenced state (plain text)
-    prefix_segments: tuple[tuple[int, ...], ...]  # the prefix as the engine evaluates it: head, state blocks
+    # state_first: template head (special tokens allowed), fenced state (plain text).
+    # options_first: template head, question block, blank line + fenced state (the last two plain text).
+    prefix_pieces: tuple[Piece, ...]
+    # The prefix as the engine evaluates it. state_first: head, state blocks. options_first: head, question
+    # block(s), state blocks; the leading head + question segments are what stays cached across states.
+    prefix_segments: tuple[tuple[int, ...], ...]
     questions: tuple[QuestionPlan, ...]
     return_prompt: bool = False
+    layout: str = DEFAULT_LAYOUT
+    # The injection check (issue #11 §4): a yes/no question label-scored from the same prefix as the
+    # questions; p(yes) is reported as injection_suspected. None when not asked for.
+    injection_check: Optional[QuestionPlan] = None
 
     @property
     def prefix_text(self) -> str:
@@ -119,14 +127,18 @@ class PromptPlan:
         return sum(len(s) for s in self.prefix_segments)
 
     @property
+    def _all_questions(self) -> tuple[QuestionPlan, ...]:
+        return self.questions + ((self.injection_check,) if self.injection_check is not None else ())
+
+    @property
     def input_tokens(self) -> int:
-        """Distinct prompt tokens: the state prefix once plus every question's suffix."""
-        return self.state_tokens + sum(len(q.suffix_tokens) for q in self.questions)
+        """Distinct prompt tokens: the shared prefix once plus every question's suffix (and the check's)."""
+        return self.state_tokens + sum(len(q.suffix_tokens) for q in self._all_questions)
 
     @property
     def worst_case_tokens(self) -> int:
         """What the request evaluates when nothing is cached: the budget is checked against this."""
-        return self.state_tokens + sum(q.worst_case_tokens for q in self.questions)
+        return self.state_tokens + sum(q.worst_case_tokens for q in self._all_questions)
 
 
 def build_plan(
@@ -148,9 +160,23 @@ def build_plan(
     budget_field: str = "questions",
     max_request_tokens: Optional[int] = None,
     return_prompt: bool = False,
+    layout: str = DEFAULT_LAYOUT,
+    injection_check: bool = False,
+    layout_field: str = "layout",
 ) -> PromptPlan:
+    """``layout``: "state_first" (the default) or "options_first" (single-question requests only: a plan
+    with several questions is refused with a PlanError naming ``layout_field``; contracts and the HTTP
+    layer decide before this whether a server default falls back to state_first)."""
     fields = list(question_fields) if question_fields is not None else [f"questions[{i}]" for i in range(len(questions))]
     names = list(question_names) if question_names is not None else [str(i) for i in range(len(questions))]
+    if layout not in LAYOUTS:
+        raise PlanError(f"layout {layout!r} must be one of {', '.join(LAYOUTS)}", field=layout_field)
+    if layout == "options_first" and len(questions) != 1:
+        raise PlanError(
+            f"layout 'options_first' applies to single-question requests (got {len(questions)} questions); "
+            "several questions on one state use 'state_first', which evaluates the state once",
+            field=layout_field,
+        )
 
     # Label capacity first: it needs no tokens and is the clearer error.
     if scoring == "label":
@@ -164,28 +190,51 @@ def build_plan(
                     field=field,
                 )
 
-    head_text, block_text = template.state_prefix_parts(state_text)
+    def label_choice(question: Question):
+        if scoring != "label":
+            return None, None
+        label_set = labels.for_question(question)
+        n = len(question.outcomes)
+        return label_set.texts[:n], label_set.token_ids[:n]
+
+    def blocks(tokens: Sequence[int]) -> list[tuple[int, ...]]:
+        return [tuple(tokens[i : i + n_batch]) for i in range(0, len(tokens), n_batch)]
+
+    if layout == "state_first":
+        head_text, block_text = template.state_prefix_parts(state_text)
+    else:
+        head_text, question_text = template.options_first_prefix_parts(questions[0], label_choice(questions[0])[0])
+        block_text = template.options_first_state_part(state_text)
     head_tokens = tokenize(head_text, special=True, add_bos=True)
     if not head_tokens and adds_bos and bos_token is not None:
         head_tokens = [bos_token]
     state_tokens = tokenize(block_text, special=False)
-    prefix_pieces = (
-        Piece("template", head_text, tuple(head_tokens), True),
-        Piece("state", block_text, tuple(state_tokens), False),
-    )
     segments = [tuple(head_tokens)] if head_tokens else []
-    segments += [tuple(state_tokens[i : i + n_batch]) for i in range(0, len(state_tokens), n_batch)]
+    if layout == "state_first":
+        prefix_pieces: tuple[Piece, ...] = (
+            Piece("template", head_text, tuple(head_tokens), True),
+            Piece("state", block_text, tuple(state_tokens), False),
+        )
+    else:
+        # The question block is its own segment(s) right after the head: these stay the same from one
+        # state to the next, so the engine's segment reuse keeps them cached across routing requests.
+        question_tokens = tokenize(question_text, special=False)
+        prefix_pieces = (
+            Piece("template", head_text, tuple(head_tokens), True),
+            Piece("question", question_text, tuple(question_tokens), False),
+            Piece("state", block_text, tuple(state_tokens), False),
+        )
+        segments += blocks(question_tokens)
+    segments += blocks(state_tokens)
     prefix_len = sum(len(s) for s in segments)
 
     planned = []
     for question, field, name in zip(questions, fields, names):
-        if scoring == "label":
-            label_set = labels.for_question(question)
-            n = len(question.outcomes)
-            label_texts, label_ids = label_set.texts[:n], label_set.token_ids[:n]
+        label_texts, label_ids = label_choice(question)
+        if layout == "state_first":
+            block, tail = template.question_suffix_parts(question, label_texts)
         else:
-            label_texts, label_ids = None, None
-        block, tail = template.question_suffix_parts(question, label_texts)
+            block, tail = template.options_first_suffix_parts(question, label_texts)
         pieces = (
             Piece("question", block, tuple(tokenize(block, special=False)), False),
             Piece("template", tail, tuple(tokenize(tail, special=True)), True),
@@ -206,19 +255,45 @@ def build_plan(
         need = prefix_len + suffix_len + max((len(a) for a in answers), default=0)
         if need > n_ctx:
             # Blame what is longer: a long option list is the question's fault, a long state the state's.
-            if suffix_len + max((len(a) for a in answers), default=0) > prefix_len:
+            question_len = suffix_len + max((len(a) for a in answers), default=0)
+            state_len = len(state_tokens)
+            if layout == "options_first":
+                question_len += prefix_len - state_len
+            else:
+                state_len = prefix_len
+            if question_len > state_len:
                 raise PromptTooLong(need, n_ctx, field=field, what=f"question {name!r}")
             raise PromptTooLong(need, n_ctx, field=state_field, what="the state")
         planned.append(plan)
 
+    check_plan = None
+    if injection_check:
+        # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
+        binary = labels.binary
+        check_block, check_tail = template.injection_check_parts(binary.texts)
+        check_plan = QuestionPlan(
+            question=Question(INJECTION_CHECK_QUESTION, (Outcome("yes"), Outcome("no")), kind="binary"),
+            field=state_field, name="injection_check",
+            pieces=(
+                Piece("template", check_block, tuple(tokenize(check_block, special=False)), False),
+                Piece("template", check_tail, tuple(tokenize(check_tail, special=True)), True),
+            ),
+            label_token_ids=tuple(binary.token_ids[:2]), labels=tuple(binary.texts[:2]),
+        )
+        need = prefix_len + len(check_plan.suffix_tokens)
+        if need > n_ctx:
+            raise PromptTooLong(need, n_ctx, field=state_field, what="the injection check")
+
     result = PromptPlan(
         state_text=state_text,
         scoring=scoring,
-        template_version=TEMPLATE_VERSION,
+        template_version=template.version(layout),
         prefix_pieces=prefix_pieces,
         prefix_segments=tuple(segments),
         questions=tuple(planned),
         return_prompt=return_prompt,
+        layout=layout,
+        injection_check=check_plan,
     )
     if max_request_tokens is not None and result.worst_case_tokens > max_request_tokens:
         raise TokenBudgetExceeded(result.worst_case_tokens, max_request_tokens, field=budget_field)

@@ -7,6 +7,10 @@ A result is **accepted** when its top probability is at least ``min_probability`
 ``"review"`` (the default) sends the model's choice to a person as a suggestion; any other value
 (``"abstain"``, ``"escalate"``, an option id, …) means the model **abstains** and the caller takes the
 named fallback path instead of the model's choice. Knows nothing of HTTP or llama.cpp.
+
+``max_injection`` (optional, 0..1): a result whose ``injection_suspected`` (p(yes) of the injection check,
+issue #11 §4) exceeds it is not accepted either. A policy with ``max_injection`` turns the injection check
+on for the request (``needs_injection_check``); a result without a check value fails it (fail safe).
 """
 
 from __future__ import annotations
@@ -34,16 +38,17 @@ class Policy:
     min_probability: float = 0.0
     min_margin: float = 0.0
     fallback: str = "review"
+    max_injection: Optional[float] = None
 
     @classmethod
     def from_mapping(cls, raw: Any) -> "Policy":
         if not isinstance(raw, Mapping):
             raise PolicyError("policy must be an object", "policy")
-        unknown = set(raw) - {"min_probability", "min_margin", "fallback"}
+        unknown = set(raw) - {"min_probability", "min_margin", "fallback", "max_injection"}
         if unknown:
             raise PolicyError(f"unknown policy key(s): {', '.join(sorted(unknown))}", f"policy.{sorted(unknown)[0]}")
         values: dict[str, Any] = {}
-        for key in ("min_probability", "min_margin"):
+        for key in ("min_probability", "min_margin", "max_injection"):
             if key in raw and raw[key] is not None:
                 value = raw[key]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -59,7 +64,10 @@ class Policy:
         return cls(**values)
 
     def as_dict(self) -> dict:
-        return {"min_probability": self.min_probability, "min_margin": self.min_margin, "fallback": self.fallback}
+        out = {"min_probability": self.min_probability, "min_margin": self.min_margin, "fallback": self.fallback}
+        if self.max_injection is not None:
+            out["max_injection"] = self.max_injection
+        return out
 
 
 @dataclass(frozen=True)
@@ -77,8 +85,9 @@ def top_and_margin(probabilities: Sequence[float]) -> tuple[int, float, float]:
     return top, float(probabilities[top]), float(probabilities[top] - second)
 
 
-def decide(probabilities: Sequence[float], policy: Policy) -> Verdict:
-    """The action for one distribution. Thresholds are inclusive: p == min_probability is accepted."""
+def decide(probabilities: Sequence[float], policy: Policy, injection_suspected: Optional[float] = None) -> Verdict:
+    """The action for one distribution. Thresholds are inclusive: p == min_probability is accepted, and
+    injection_suspected == max_injection too."""
     _, p_top, margin = top_and_margin(probabilities)
     failures = []
     # A tolerance of 1e-9 keeps float noise from failing an exact threshold (0.6 − 0.4 = 0.19999999999999996).
@@ -86,12 +95,27 @@ def decide(probabilities: Sequence[float], policy: Policy) -> Verdict:
         failures.append(f"probability {p_top:.3f} < min_probability {policy.min_probability:g}")
     if margin < policy.min_margin - EPSILON:
         failures.append(f"margin {margin:.3f} < min_margin {policy.min_margin:g}")
+    if policy.max_injection is not None:
+        if injection_suspected is None:
+            failures.append("injection check did not run but the policy sets max_injection")
+        elif injection_suspected > policy.max_injection + EPSILON:
+            failures.append(f"injection_suspected {injection_suspected:.3f} > max_injection {policy.max_injection:g}")
     if not failures:
+        if policy.max_injection is not None:
+            return Verdict("accept", f"probability {p_top:.3f}, margin {margin:.3f} and injection_suspected "
+                                     f"{injection_suspected:.3f} meet the policy")
         return Verdict("accept", f"probability {p_top:.3f} and margin {margin:.3f} meet the policy")
     reason = "; ".join(failures)
     if policy.fallback == "review":
         return Verdict("review", reason)
     return Verdict("abstain", reason, fallback=policy.fallback)
+
+
+def needs_injection_check(raw_policy: Any, default_policy: Optional[Policy] = None) -> bool:
+    """Whether the policy that will judge a request sets max_injection (so the check must run)."""
+    if isinstance(raw_policy, Mapping):
+        return raw_policy.get("max_injection") is not None
+    return default_policy is not None and default_policy.max_injection is not None
 
 
 def most_severe(actions: Sequence[str]) -> Optional[str]:
@@ -129,7 +153,7 @@ class DecisionPostprocessor:
                     dist.probabilities, dist.calibration = calibrated
             dist.action = dist.action_reason = dist.action_fallback = None
             if policy is not None:
-                verdict = decide(dist.probabilities, policy)
+                verdict = decide(dist.probabilities, policy, getattr(dist, "injection_suspected", None))
                 dist.action, dist.action_reason, dist.action_fallback = verdict.action, verdict.reason, verdict.fallback
 
 

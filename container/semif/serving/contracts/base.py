@@ -79,6 +79,28 @@ class Job:
     question_fields: Optional[list[str]] = None
     question_names: Optional[list[str]] = None
     budget_field: str = "questions"
+    # Prompt layout and injection check as the request asked (None: the server's default), and the
+    # contract's name for the layout field (errors name it).
+    layout: Optional[str] = None
+    injection_check: Optional[bool] = None
+    layout_field: str = "layout"
+
+
+def resolve_layout(job: Job, default: str) -> str:
+    """The layout a request runs. Options-first applies to single-question requests: a request that asks
+    for it with several questions is refused (422 naming the layout field: the client asked for something
+    that cannot be done); a server default of options_first falls back to state_first for such requests,
+    and the answer's template_version says which layout ran."""
+    if job.layout is not None:
+        if job.layout == "options_first" and len(job.questions) != 1:
+            raise RequestError(
+                422, "invalid_request",
+                f"{job.layout_field}: 'options_first' applies to single-question requests (got {len(job.questions)} "
+                "questions); several questions on one state use 'state_first', which evaluates the state once",
+                job.layout_field,
+            )
+        return job.layout
+    return default if len(job.questions) == 1 else "state_first"
 
 
 class Contract(Protocol):

@@ -204,6 +204,13 @@ def parse(body: Any, limits: Limits) -> Job:
             _require(body[key], str, key, "a string")
     if body.get("prompt_cache_options") is not None:
         _require(body["prompt_cache_options"], dict, "prompt_cache_options", "an object")
+    # Our extensions (issues #11 and #14): prompt layout and the injection check; None = the server's default.
+    layout = body.get("layout")
+    if layout is not None and layout not in ("state_first", "options_first"):
+        raise _bad("layout", f"must be 'state_first' or 'options_first', not {_shown(layout)}")
+    injection_check = body.get("injection_check")
+    if injection_check is not None:
+        _require(injection_check, bool, "injection_check", "a boolean")
     state_text = render_input(body["input"])
     raw_questions = _require(body["questions"], list, "questions", "an array of questions")
     if not 1 <= len(raw_questions) <= limits.max_questions:
@@ -216,6 +223,8 @@ def parse(body: Any, limits: Limits) -> Job:
     fields = [f"questions[{i}].{part[spec['type']]}" for i, (_, spec) in enumerate(parsed)]
     names = [excerpt(spec["name"]) if spec["name"] is not None else f"questions[{i}]" for i, (_, spec) in enumerate(parsed)]
     hashes = [options_sha256([(o.key, o.description) for o in q.outcomes]) for q in questions]
+
+    extended = layout is not None or injection_check is not None
 
     def render(result: ScoreResult, run: RunContext) -> dict:
         cached = result.cached_tokens
@@ -234,11 +243,17 @@ def parse(body: Any, limits: Limits) -> Job:
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": result.input_tokens,
             },
+            # Our metadata, only when the request used an extension or the injection check ran, so that
+            # a plain OpenAI request gets exactly OpenAI's shape.
+            **({"x_semif": {"template_version": result.template_version, "layout": result.layout,
+                            "injection_suspected": result.injection_suspected}}
+               if extended or result.injection_suspected is not None else {}),
         }
 
     # No decision_ids: a calibration keyed by question name would make answers depend on the names.
     return Job(state_text=state_text, questions=questions, render=render, options_sha256=hashes,
-               state_field="input", question_fields=fields, question_names=names, budget_field="questions")
+               state_field="input", question_fields=fields, question_names=names, budget_field="questions",
+               layout=layout, injection_check=injection_check)
 
 
 def _answer(spec: dict, dist: Distribution) -> dict:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..engine import ScoreResult
 from ..prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
 from ..policy import Policy, PolicyError
-from .base import Job, Limits, RequestError, RunContext, excerpt, first_validation_error
+from .base import Job, Limits, RequestError, RunContext, excerpt, first_validation_error, resolve_layout
 
 NAME = "semif"
 _MAX_TEXT = 200_000
@@ -58,6 +58,7 @@ class AbstentionPolicy(_Strict):
     min_probability: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     min_margin: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     fallback: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    max_injection: Optional[float] = Field(default=None, ge=0.0, le=1.0)
 
 
 class SingleDecision(DecisionQuestion):
@@ -69,6 +70,8 @@ class SingleRequest(_Strict):
     scoring: Optional[Literal["label", "sequence"]] = None
     return_prompt: bool = False
     policy: Optional[AbstentionPolicy] = None
+    layout: Optional[Literal["state_first", "options_first"]] = None
+    injection_check: Optional[bool] = None
 
 
 class BatchRequest(_Strict):
@@ -77,6 +80,8 @@ class BatchRequest(_Strict):
     scoring: Optional[Literal["label", "sequence"]] = None
     return_prompt: bool = False
     policy: Optional[AbstentionPolicy] = None
+    layout: Optional[Literal["state_first", "options_first"]] = None
+    injection_check: Optional[bool] = None
 
     @model_validator(mode="after")
     def _unique_decision_ids(self) -> "BatchRequest":
@@ -150,9 +155,10 @@ def parse(body: Any, limits: Limits) -> Job:
                 "tokens": dist.tokens,
                 "cached_tokens": dist.cached_tokens,
                 "evaluated_tokens": dist.evaluated_tokens,
-                "template_version": TEMPLATE_VERSION,
+                "template_version": getattr(result, "template_version", TEMPLATE_VERSION),
                 "template_sha256": run.model.get("template_sha256"),
                 "options_sha256": opt_hash,
+                "layout": getattr(result, "layout", "state_first"),
             }
             if request.return_prompt:
                 prompt["text"] = dist.prompt_text
@@ -166,6 +172,8 @@ def parse(body: Any, limits: Limits) -> Job:
                     "option_logits": dist.option_logits,
                     "choice": decision.options[top].id,
                     "margin": probabilities[top] - probabilities[second],
+                    # p(yes) of the injection check on this state, or null when it did not run.
+                    "injection_suspected": getattr(dist, "injection_suspected", None),
                     "prompt": prompt,
                     "timing": {
                         "queue_ms": round(run.queue_ms, 3),
@@ -209,7 +217,11 @@ def parse(body: Any, limits: Limits) -> Job:
         question_fields=["decision.options"] if single else [f"decisions[{i}].options" for i in range(len(decisions))],
         question_names=[d.id for d in decisions],
         budget_field="decision" if single else "decisions",
+        layout=request.layout,
+        injection_check=request.injection_check,
+        layout_field="layout",
     )
+    resolve_layout(job, "state_first")  # an explicit options_first with several decisions: 422 now
     if request.policy is not None:
         policy = request.policy.model_dump(exclude_none=True)
         try:  # the policy module's own rules, checked now: never after the model has done the work

@@ -79,6 +79,9 @@ class SystemOneRequest(_Lenient):
     state: Content
     questions: dict[str, AnyQuestion] = Field(min_length=1)
     assets: Optional[dict[str, Any]] = None
+    # Our extensions (issues #11 and #14): prompt layout and the injection check, None = server default.
+    layout: Optional[Literal["state_first", "options_first"]] = None
+    injection_check: Optional[bool] = None
 
 
 def matches(body: Any) -> bool:
@@ -224,7 +227,9 @@ def parse(body: Any, limits: Limits) -> Job:
                 "llama_cpp_build": info["llama_cpp_build"],
                 "hardware": info["hardware"],
                 "n_gpu_layers": info["n_gpu_layers"],
-                "template_version": TEMPLATE_VERSION,
+                "template_version": getattr(result, "template_version", TEMPLATE_VERSION),
+                "layout": getattr(result, "layout", "state_first"),
+                "injection_suspected": getattr(result, "injection_suspected", None),
                 "template_sha256": info.get("template_sha256"),
                 "image_digest": run.image_digest,
                 "scoring": result.distributions[0].scoring if result.distributions else None,
@@ -246,6 +251,8 @@ def parse(body: Any, limits: Limits) -> Job:
         question_fields=fields,
         question_names=[excerpt(qid) for qid in ids],
         budget_field="questions",
+        layout=request.layout,
+        injection_check=request.injection_check,
     )
 
 
