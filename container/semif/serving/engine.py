@@ -24,7 +24,7 @@ import numpy as np
 
 from .manifest import sha256_file
 from .plan import EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, TokenBudgetExceeded, build_plan
-from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION
+from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
 
 __all__ = ["Cancelled", "Distribution", "Engine", "EngineError", "LabelError", "PlanError", "PromptPlan",
            "PromptTooLong", "ScoreResult", "TokenBudgetExceeded", "softmax"]
@@ -225,6 +225,7 @@ class Engine:
         self.labels: Labels = self.template.select_labels(lambda text: self._tokenize(text, special=True))
         # Turn markers this template writes as plain text for this vocabulary: escaped inside every state.
         self.template.detect_plain_markers(self._tokenize)
+        normalise_for_fence("\u00e9")  # builds the format-character table now, not in the first request
         self.n_gpu_layers = n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0
         self.info = {
             "file": self.model_path.name,

@@ -129,8 +129,16 @@ _FENCE_TAGS = re.compile(r"</?state(?:-([1-9][0-9]{0,8}))?>")
 def _format_chars() -> "re.Pattern[str]":
     """Every format character (Unicode category Cf: zero-width spaces and joiners, bidi controls, …),
     built once on first use (a scan of all code points, ~0.3 s) and only for non-ASCII states."""
-    chars = [chr(c) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf"]
-    return re.compile("[" + "".join(re.escape(c) for c in chars) + "]+")
+    ranges: list[list[int]] = []
+    for code in range(sys.maxunicode + 1):
+        if unicodedata.category(chr(code)) == "Cf":
+            if ranges and ranges[-1][1] == code - 1:
+                ranges[-1][1] = code
+            else:
+                ranges.append([code, code])
+    # As ranges (~20), not ~170 single characters: the class then matches several times faster.
+    parts = (re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges)
+    return re.compile("[" + "".join(parts) + "]+")
 
 
 def normalise_for_fence(text: str) -> str:
@@ -139,7 +147,7 @@ def normalise_for_fence(text: str) -> str:
     state as sent."""
     if text.isascii():
         return text
-    return _format_chars().sub("", unicodedata.normalize("NFKC", _format_chars().sub("", text)))
+    return _format_chars().sub("", unicodedata.normalize("NFKC", text))
 
 
 def _fence_tag(state_text: str) -> str:
