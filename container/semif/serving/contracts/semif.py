@@ -57,6 +57,7 @@ class AbstentionPolicy(_Strict):
 
     min_probability: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     min_margin: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    min_label_mass: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     fallback: Optional[str] = Field(default=None, min_length=1, max_length=256)
 
 
@@ -69,6 +70,9 @@ class SingleRequest(_Strict):
     scoring: Optional[Literal["label", "sequence"]] = None
     return_prompt: bool = False
     policy: Optional[AbstentionPolicy] = None
+    # Order debiasing: "reverse" scores each decision in the given and the reversed option order and
+    # combines both; None takes the server default (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse"]] = None
 
 
 class BatchRequest(_Strict):
@@ -77,6 +81,9 @@ class BatchRequest(_Strict):
     scoring: Optional[Literal["label", "sequence"]] = None
     return_prompt: bool = False
     policy: Optional[AbstentionPolicy] = None
+    # Order debiasing: "reverse" scores each decision in the given and the reversed option order and
+    # combines both; None takes the server default (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse"]] = None
 
     @model_validator(mode="after")
     def _unique_decision_ids(self) -> "BatchRequest":
@@ -154,10 +161,15 @@ def parse(body: Any, limits: Limits) -> Job:
                 "template_sha256": run.model.get("template_sha256"),
                 "options_sha256": opt_hash,
             }
+            prompt["debias"] = dist.debias
             if request.return_prompt:
                 prompt["text"] = dist.prompt_text
                 prompt["label_token_ids"] = dist.label_token_ids
                 prompt["labels"] = dist.labels
+                prompt["label_variant_ids"] = dist.label_variant_ids
+                if dist.orders is not None:
+                    # Each order's own answer (outcomes in the given order), before they were combined.
+                    prompt["orders"] = dist.orders
             results.append(
                 {
                     "id": decision.id,
@@ -166,6 +178,7 @@ def parse(body: Any, limits: Limits) -> Job:
                     "option_logits": dist.option_logits,
                     "choice": decision.options[top].id,
                     "margin": probabilities[top] - probabilities[second],
+                    "label_mass": dist.label_mass,
                     "prompt": prompt,
                     "timing": {
                         "queue_ms": round(run.queue_ms, 3),
@@ -209,6 +222,7 @@ def parse(body: Any, limits: Limits) -> Job:
         question_fields=["decision.options"] if single else [f"decisions[{i}].options" for i in range(len(decisions))],
         question_names=[d.id for d in decisions],
         budget_field="decision" if single else "decisions",
+        debias=request.debias,
     )
     if request.policy is not None:
         policy = request.policy.model_dump(exclude_none=True)

@@ -79,6 +79,8 @@ class SystemOneRequest(_Lenient):
     state: Content
     questions: dict[str, AnyQuestion] = Field(min_length=1)
     assets: Optional[dict[str, Any]] = None
+    # Our extension: order debiasing ("none" | "reverse"); absent: the server default (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse"]] = None
 
 
 def matches(body: Any) -> bool:
@@ -231,6 +233,8 @@ def parse(body: Any, limits: Limits) -> Job:
                 "state_tokens": result.state_tokens,
                 "cached_tokens": result.cached_tokens,
                 "evaluated_tokens": result.evaluated_tokens,
+                "debias": result.distributions[0].debias if result.distributions else None,
+                "label_mass": {qid: dist.label_mass for qid, dist in zip(ids, result.distributions)},
                 "timing": {"queue_ms": round(run.queue_ms, 3), "compute_ms": round(run.compute_ms, 3),
                            "total_ms": round(run.total_ms, 3)},
             },
@@ -246,6 +250,7 @@ def parse(body: Any, limits: Limits) -> Job:
         question_fields=fields,
         question_names=[excerpt(qid) for qid in ids],
         budget_field="questions",
+        debias=request.debias,
     )
 
 
