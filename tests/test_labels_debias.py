@@ -288,3 +288,88 @@ def test_an_unknown_debias_mode_is_a_plan_error_naming_the_field(engine):
     with pytest.raises(PlanError) as caught:
         engine.plan(STATE, [ROUTE], debias="sideways")
     assert caught.value.field == "debias"
+
+
+# ---- the wire: debias in every contract, label_mass in answers, policy and log line ---------------
+
+SEMIF_BODY = {"decision": {"id": "route", "state": STATE, "question": ROUTE.text,
+                           "options": [{"id": o.key, "description": o.description} for o in ROUTE.outcomes]}}
+SYSTEMONE_BODY = {"state": STATE, "questions": {"route": {"type": "choice", "instructions": ROUTE.text,
+                                                          "criteria": {o.key: o.description for o in ROUTE.outcomes}}}}
+OPENAI_BODY = {"model": "gpt-6-luna", "input": STATE, "questions": [
+    {"type": "choice", "name": "route", "instructions": ROUTE.text,
+     "choices": [{"value": o.key, "description": o.description} for o in ROUTE.outcomes]}]}
+
+
+def _probabilities(path, payload):
+    if path == "/v1/semif":
+        return payload["probabilities"]
+    if path == "/v1/systemone":
+        return list(payload["answers"]["route"]["probabilities"].values())
+    return [p["probability"] for p in payload["answers"][0]["probabilities"]]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/semif", SEMIF_BODY), ("/v1/systemone", SYSTEMONE_BODY),
+                                       ("/v1/decisions", OPENAI_BODY)], ids=["semif", "systemone", "openai"])
+def test_every_contract_accepts_debias_and_rejects_a_bad_value_naming_the_field(client, engine, path, body):
+    plain = client.post(path, json=body)
+    debiased = client.post(path, json={**body, "debias": "reverse"})
+    assert plain.status_code == debiased.status_code == 200, debiased.text
+    expected = engine.score(STATE, [ROUTE], debias="reverse").distributions[0].probabilities
+    np.testing.assert_allclose(_probabilities(path, debiased.json()), expected, atol=1e-5)
+    assert not np.allclose(_probabilities(path, plain.json()), expected, atol=1e-6)
+    bad = client.post(path, json={**body, "debias": "sideways"})
+    assert 400 <= bad.status_code < 500
+    assert "debias" in bad.text
+
+
+def test_semif_reports_label_mass_and_both_orders_when_the_prompt_is_asked_for(client):
+    payload = client.post("/v1/semif", json={**SEMIF_BODY, "debias": "reverse", "return_prompt": True}).json()
+    assert 0.0 < payload["label_mass"] <= 1.0
+    prompt = payload["prompt"]
+    assert prompt["debias"] == "reverse"
+    given, back = prompt["orders"]["given"], prompt["orders"]["reversed"]
+    combined = softmax(combine_orders(given["option_logits"], back["option_logits"]))
+    np.testing.assert_allclose(payload["probabilities"], combined, atol=1e-9)
+    assert "A. shipping" in back["prompt_text"] and "A. account_access" in prompt["text"]
+    assert "orders" not in client.post("/v1/semif", json={**SEMIF_BODY, "debias": "reverse"}).json()["prompt"]
+
+
+def test_min_label_mass_in_a_policy_sends_a_low_mass_answer_to_review(client):
+    mass = client.post("/v1/semif", json=SEMIF_BODY).json()["label_mass"]
+    strict = client.post("/v1/semif", json={**SEMIF_BODY, "policy": {"min_label_mass": min(1.0, mass + 0.01)}}).json()
+    lenient = client.post("/v1/semif", json={**SEMIF_BODY, "policy": {"min_label_mass": max(0.0, mass - 0.01)}}).json()
+    assert strict["action"] == "review" and "label mass" in strict["action_reason"]
+    assert lenient["action"] == "accept"
+    bad = client.post("/v1/semif", json={**SEMIF_BODY, "policy": {"min_label_mass": 1.5}})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "policy.min_label_mass"
+
+
+def test_the_json_log_line_carries_the_lowest_label_mass_and_the_debias_mode(client, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="semif.http"):
+        payload = client.post("/v1/semif", json={**SEMIF_BODY, "debias": "reverse"}).json()
+    (record,) = [r for r in caplog.records if r.getMessage() == "request"]
+    assert record.label_mass == round(payload["label_mass"], 6)
+    assert record.debias == "reverse"
+
+
+def test_semif_debias_setting_is_validated():
+    from semif.serving.config import Settings, SettingsError
+
+    env = {"SEMIF_MODEL_PATH": str(embedded_model())}
+    assert Settings.from_env(env).debias == "none"
+    assert Settings.from_env({**env, "SEMIF_DEBIAS": "reverse"}).debias == "reverse"
+    with pytest.raises(SettingsError, match="SEMIF_DEBIAS"):
+        Settings.from_env({**env, "SEMIF_DEBIAS": "both"})
+
+
+def test_the_policy_checks_label_mass_only_where_there_is_one():
+    from semif.serving.policy import Policy, decide
+
+    policy = Policy.from_mapping({"min_label_mass": 0.5})
+    assert decide([0.9, 0.1], policy, label_mass=0.49).action == "review"
+    assert decide([0.9, 0.1], policy, label_mass=0.5).action == "accept"  # inclusive, like the other thresholds
+    assert decide([0.9, 0.1], policy, label_mass=None).action == "accept"  # sequence scoring has no label mass
+    assert policy.as_dict()["min_label_mass"] == 0.5
