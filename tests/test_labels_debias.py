@@ -114,15 +114,17 @@ def test_a_plans_pieces_tokenize_exactly_like_the_whole_prompt_text(vocab, scori
 
 
 def test_tokenizing_a_piece_alone_adds_a_space_token_that_the_whole_text_does_not_have(spm_prefix_vocab):
-    """Why the plan tokenizes pieces in context: on a space-prefix SentencePiece vocabulary, the state
-    block tokenized alone starts with `▁<` where the whole prompt has `<`."""
+    """Why the plan tokenizes pieces in context: on a space-prefix SentencePiece vocabulary, the template
+    tail tokenized alone starts with a `▁` the whole prompt does not have there."""
     v = spm_prefix_vocab
-    head, block = v.template.state_prefix_parts(STATE)
-    alone = v.tokenize(block, special=False)
-    in_context = _tokenize_after(v.tokenize, head, block, special=False)
-    whole = v.tokenize(head + block, special=True, add_bos=True)
-    assert alone != in_context
-    assert whole[-len(in_context):] == in_context
+    plan = v.plan(STATE, [ROUTE])
+    qplan = plan.questions[0]
+    tail = qplan.pieces[1]
+    alone = v.tokenize(tail.text, special=tail.special_tokens)
+    assert alone != list(tail.tokens)
+    whole = v.tokenize(plan.prefix_text + qplan.text, special=True, add_bos=True)
+    assert whole[-len(tail.tokens):] == list(tail.tokens)
+    assert v.llm.detokenize(alone[:1], special=True).startswith(b" ")
 
 
 # ---- §2 labels --------------------------------------------------------------------------------
@@ -247,21 +249,24 @@ def test_debiased_answer_is_the_renormalised_mean_log_probability_of_both_orders
         STATE, [reversed_question(ROUTE)], return_prompt=True).distributions[0].prompt_text
 
 
-@pytest.mark.parametrize("question", [ROUTE, IS_ACCOUNT, PRIORITY], ids=["choice", "binary", "scale"])
-def test_a_debiased_answer_does_not_depend_on_the_option_order(engine, question):
-    forward = _computed(engine.score(STATE, [question], debias="reverse")).distributions[0]
-    backward = _computed(engine.score(STATE, [reversed_question(question)], debias="reverse")).distributions[0]
-    if question.kind == "binary":  # Yes/No keep their meaning: reversing a binary question re-renders it
-        np.testing.assert_allclose(forward.probabilities, backward.probabilities, atol=1e-5)
-    else:
-        np.testing.assert_allclose(forward.probabilities, backward.probabilities[::-1], atol=1e-5)
+@pytest.mark.parametrize("scoring", ["label", "sequence"])
+def test_a_debiased_answer_does_not_depend_on_the_order_the_client_lists_the_options_in(engine, scoring):
+    """(Choices only: a scale's levels and a yes/no question's outcomes have a meaning in their order.)"""
+    forward = _computed(engine.score(STATE, [ROUTE], debias="reverse", scoring=scoring)).distributions[0]
+    backward = _computed(engine.score(STATE, [reversed_question(ROUTE)], debias="reverse", scoring=scoring)).distributions[0]
+    np.testing.assert_allclose(forward.probabilities, backward.probabilities[::-1], atol=1e-5)
+    plain = _computed(engine.score(STATE, [ROUTE], scoring=scoring)).distributions[0]
+    plain_back = _computed(engine.score(STATE, [reversed_question(ROUTE)], scoring=scoring)).distributions[0]
+    assert not np.allclose(plain.probabilities, plain_back.probabilities[::-1], atol=1e-3), "the model is order-sensitive"
 
 
 def test_the_reversed_binary_and_scale_questions_say_what_order_they_are_in(engine):
     plan = engine.plan(STATE, [IS_ACCOUNT, PRIORITY], debias="reverse")
     assert "Reply No or Yes." in plan.questions[0].reversed.text
     assert plan.questions[0].reversed.labels == ("No", "Yes")
-    assert "Levels, from highest to lowest:\nA. high\nB. medium\nC. low" in plan.questions[1].reversed.text
+    first, second, third = plan.questions[1].reversed.labels
+    assert f"Levels, from highest to lowest:\n{first}. high\n{second}. medium\n{third}. low" in plan.questions[1].reversed.text
+    assert "Levels, from lowest to highest:" in plan.questions[1].text
 
 
 def test_debiasing_evaluates_the_state_once_and_one_more_question_segment(engine):
