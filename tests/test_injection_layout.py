@@ -176,14 +176,20 @@ def test_the_injection_check_equals_p_yes_of_its_prompt_evaluated_from_scratch(e
     result = engine.score(TICKETS[1], [ROUTING], injection_check=True)
     plan = engine.plan(TICKETS[1], [ROUTING], injection_check=True)
     tokens = [t for s in plan.prefix_segments for t in s] + list(plan.injection_check.suffix_tokens)
+    import llama_cpp
+
     llm = Llama(model_path=str(model_path), n_ctx=2048, n_batch=2048, n_ubatch=2048, logits_all=False, verbose=False)
     try:
         llm.eval(tokens)
-        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        # With logits_all=False, eval() leaves Llama.scores empty: read the last position's logits.
+        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        row = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(np.float64)
     finally:
         llm.close()
-    yes, no = (row[t] for t in plan.injection_check.label_token_ids)
+    # Each label scores all its spellings (log-sum-exp of their logits), as the engine does.
+    yes, no = (np.logaddexp.reduce(row[list(v)]) for v in plan.injection_check.label_variants)
     expected = 1.0 / (1.0 + np.exp(no - yes))
+    assert abs(yes - no) > 1e-3  # a real row, not an empty one (equal labels would give exactly 0.5)
     # Another batch shape (one batch instead of segments) moves logits slightly: close, not bit-equal.
     assert result.injection_suspected == pytest.approx(expected, abs=0.02)
 

@@ -49,7 +49,9 @@ def test_label_logits_equal_an_independent_recomputation_on_the_prompt_text(engi
         assert len(tokens) == dist.tokens
         fresh.eval(tokens)
         row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(fresh._ctx.ctx, -1), shape=(fresh.n_vocab(),))
-        recomputed = [float(row[t]) for t in dist.label_token_ids]
+        # A label's logit is the log-sum-exp over its spellings (`A`, ` A`): see LabelSet.variants.
+        recomputed = [float(np.logaddexp.reduce([float(row[t]) for t in variants])) for variants in dist.label_variant_ids]
+        assert [v[0] for v in dist.label_variant_ids] == dist.label_token_ids
     finally:
         fresh.close()
     np.testing.assert_allclose(dist.option_logits, recomputed, atol=2e-3)

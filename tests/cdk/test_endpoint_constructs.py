@@ -281,6 +281,10 @@ def test_metric_filters_separate_client_errors_and_weak_decisions(stacks):
         "FilterPattern": "{ $.margin < 0.15 }",
         "MetricTransformations": [Match.object_like({"MetricName": "LowMarginDecisions"})],
     })
+    template.has_resource_properties("AWS::Logs::MetricFilter", {
+        "FilterPattern": "{ $.label_mass < 0.5 }",
+        "MetricTransformations": [Match.object_like({"MetricName": "LowLabelMassDecisions"})],
+    })
     for action in ("accept", "review", "abstain"):
         template.has_resource_properties("AWS::Logs::MetricFilter", {
             "FilterPattern": f'{{ $.action = "{action}" }}',
@@ -358,7 +362,7 @@ def test_dashboard_separates_failure_classes_from_latency_and_invocations(stacks
     for title in ("Invocations", "Model latency", "503 overload (queue full)", "4xx by error_code",
                   "Decisions by action", "Low-margin decisions", "Alarms"):
         assert title in body, title
-    assert "ClientErrorsByCode" in body and "DecisionsAbstain" in body
+    assert "ClientErrorsByCode" in body and "DecisionsAbstain" in body and "LowLabelMassDecisions" in body
 
 
 def _statements(template: Template, role_prefix: str) -> list[dict]:

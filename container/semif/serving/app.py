@@ -28,7 +28,7 @@ from .contracts import openai_decisions, systemone
 from .contracts.base import Job, Limits, RequestError, RunContext, excerpt, pydantic_field, resolve_layout
 from .engine import Cancelled, EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
 from .logs import state_digest_fields
-from .policy import DecisionPostprocessor, log_fields as policy_log_fields, needs_injection_check
+from .policy import DecisionPostprocessor, log_fields as policy_log_fields, min_label_mass, needs_injection_check
 
 log = logging.getLogger("semif.http")
 
@@ -289,6 +289,7 @@ class DecisionService:
                 state_field=job.state_field, question_fields=job.question_fields, question_names=job.question_names,
                 budget_field=job.budget_field, max_request_tokens=self.settings.max_request_tokens,
                 **self.prompt_options(job),
+                debias=job.debias or self.settings.debias,
             )
             fields.update(layout=plan.layout, plan_template_version=plan.template_version)
             deadline = time.monotonic() + self.settings.request_deadline_s - (time.perf_counter() - started)
@@ -328,7 +329,7 @@ class DecisionService:
                 status=200, queue_ms=round(admitted.queue_ms, 3), compute_ms=round(admitted.compute_ms, 3),
                 tokens=result.input_tokens, cached_tokens=result.cached_tokens, evaluated_tokens=result.evaluated_tokens,
                 questions=len(job.questions), scoring=result.distributions[0].scoring if result.distributions else None,
-                margin=_min_margin(result),
+                margin=_min_margin(result), label_mass=min_label_mass(result), debias=plan.debias,
             )
             fields.update(policy_log_fields(result))
             if result.injection_suspected is not None:
@@ -396,6 +397,7 @@ class DecisionService:
                     state_field=job.state_field, question_fields=job.question_fields,
                     question_names=job.question_names, budget_field=job.budget_field,
                     max_request_tokens=max_request_tokens, **self.prompt_options(job),
+                    debias=job.debias or self.settings.debias,
                 )
             except TokenBudgetExceeded as over:
                 raise RequestError(413, over.code, f"the record may evaluate up to {over.tokens} tokens; a batch record "

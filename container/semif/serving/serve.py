@@ -43,6 +43,7 @@ def build_app(settings: Settings):
         default_scoring=settings.scoring,
         model_sha256=digest,
     )
+    engine.default_debias = settings.debias  # the server default; requests may override it (`debias`)
     if settings.require_gpu and not (engine.info["gpu_offload"] and engine.n_gpu_layers != 0):
         # Without this, a CUDA initialisation failure would load the model on the CPU and /ping would
         # still answer 200: a "GPU" endpoint quietly serving from a few vCPUs.

@@ -79,6 +79,8 @@ class Job:
     question_fields: Optional[list[str]] = None
     question_names: Optional[list[str]] = None
     budget_field: str = "questions"
+    # Order debiasing ("none" | "reverse"); None: the server default (SEMIF_DEBIAS).
+    debias: Optional[str] = None
     # Prompt layout and injection check as the request asked (None: the server's default), and the
     # contract's name for the layout field (errors name it).
     layout: Optional[str] = None
@@ -101,6 +103,9 @@ def resolve_layout(job: Job, default: str) -> str:
             )
         return job.layout
     return default if len(job.questions) == 1 else "state_first"
+
+
+DEBIAS_VALUES = ("none", "reverse")
 
 
 class Contract(Protocol):

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from ..engine import Distribution, ScoreResult
 from ..prompt import Outcome, Question, options_sha256
-from .base import Job, Limits, RequestError, RunContext, excerpt
+from .base import DEBIAS_VALUES, Job, Limits, RequestError, RunContext, excerpt
 
 NAME = "openai_decisions"
 # Answered besides the served model's name (app.py checks): the one model the SDK documents.
@@ -202,6 +202,10 @@ def parse(body: Any, limits: Limits) -> Job:
     for key in ("prompt_cache_key", "safety_identifier"):
         if body.get(key) is not None:
             _require(body[key], str, key, "a string")
+    # Our extension: order debiasing; absent or null: the server default (SEMIF_DEBIAS).
+    debias = body.get("debias")
+    if debias is not None and debias not in DEBIAS_VALUES:
+        raise _bad("debias", f"must be one of {', '.join(DEBIAS_VALUES)} (got {_shown(debias)})")
     if body.get("prompt_cache_options") is not None:
         _require(body["prompt_cache_options"], dict, "prompt_cache_options", "an object")
     # Our extensions (issues #11 and #14): prompt layout and the injection check; None = the server's default.
@@ -253,7 +257,7 @@ def parse(body: Any, limits: Limits) -> Job:
     # No decision_ids: a calibration keyed by question name would make answers depend on the names.
     return Job(state_text=state_text, questions=questions, render=render, options_sha256=hashes,
                state_field="input", question_fields=fields, question_names=names, budget_field="questions",
-               layout=layout, injection_check=injection_check)
+               layout=layout, injection_check=injection_check, debias=debias)
 
 
 def _answer(spec: dict, dist: Distribution) -> dict:

@@ -57,6 +57,7 @@ class AbstentionPolicy(_Strict):
 
     min_probability: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     min_margin: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    min_label_mass: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     fallback: Optional[str] = Field(default=None, min_length=1, max_length=256)
     max_injection: Optional[float] = Field(default=None, ge=0.0, le=1.0)
 
@@ -72,6 +73,9 @@ class SingleRequest(_Strict):
     policy: Optional[AbstentionPolicy] = None
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
+    # Order debiasing: "reverse" scores each decision in the given and the reversed option order and
+    # combines both; None takes the server default (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse"]] = None
 
 
 class BatchRequest(_Strict):
@@ -82,6 +86,9 @@ class BatchRequest(_Strict):
     policy: Optional[AbstentionPolicy] = None
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
+    # Order debiasing: "reverse" scores each decision in the given and the reversed option order and
+    # combines both; None takes the server default (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse"]] = None
 
     @model_validator(mode="after")
     def _unique_decision_ids(self) -> "BatchRequest":
@@ -160,10 +167,15 @@ def parse(body: Any, limits: Limits) -> Job:
                 "options_sha256": opt_hash,
                 "layout": getattr(result, "layout", "state_first"),
             }
+            prompt["debias"] = dist.debias
             if request.return_prompt:
                 prompt["text"] = dist.prompt_text
                 prompt["label_token_ids"] = dist.label_token_ids
                 prompt["labels"] = dist.labels
+                prompt["label_variant_ids"] = dist.label_variant_ids
+                if dist.orders is not None:
+                    # Each order's own answer (outcomes in the given order), before they were combined.
+                    prompt["orders"] = dist.orders
             results.append(
                 {
                     "id": decision.id,
@@ -174,6 +186,7 @@ def parse(body: Any, limits: Limits) -> Job:
                     "margin": probabilities[top] - probabilities[second],
                     # p(yes) of the injection check on this state, or null when it did not run.
                     "injection_suspected": getattr(dist, "injection_suspected", None),
+                    "label_mass": dist.label_mass,
                     "prompt": prompt,
                     "timing": {
                         "queue_ms": round(run.queue_ms, 3),
@@ -220,6 +233,7 @@ def parse(body: Any, limits: Limits) -> Job:
         layout=request.layout,
         injection_check=request.injection_check,
         layout_field="layout",
+        debias=request.debias,
     )
     resolve_layout(job, "state_first")  # an explicit options_first with several decisions: 422 now
     if request.policy is not None:

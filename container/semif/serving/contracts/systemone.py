@@ -82,6 +82,8 @@ class SystemOneRequest(_Lenient):
     # Our extensions (issues #11 and #14): prompt layout and the injection check, None = server default.
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
+    # Our extension: order debiasing ("none" | "reverse"); absent: the server default (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse"]] = None
 
 
 def matches(body: Any) -> bool:
@@ -236,6 +238,8 @@ def parse(body: Any, limits: Limits) -> Job:
                 "state_tokens": result.state_tokens,
                 "cached_tokens": result.cached_tokens,
                 "evaluated_tokens": result.evaluated_tokens,
+                "debias": result.distributions[0].debias if result.distributions else None,
+                "label_mass": {qid: dist.label_mass for qid, dist in zip(ids, result.distributions)},
                 "timing": {"queue_ms": round(run.queue_ms, 3), "compute_ms": round(run.compute_ms, 3),
                            "total_ms": round(run.total_ms, 3)},
             },
@@ -253,6 +257,7 @@ def parse(body: Any, limits: Limits) -> Job:
         budget_field="questions",
         layout=request.layout,
         injection_check=request.injection_check,
+        debias=request.debias,
     )
 
 

