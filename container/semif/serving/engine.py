@@ -286,9 +286,6 @@ class Engine:
             return []
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
 
-    def _token_bytes(self, token: int) -> bytes:
-        return self.llm.detokenize([token], special=True)
-
     def _llama_build(self) -> str:
         for name in ("llama_build_number", "LLAMA_BUILD_NUMBER"):
             value = getattr(self._lc, name, None)
@@ -325,7 +322,7 @@ class Engine:
             n_ctx=self.n_ctx, n_batch=self.n_batch, state_text=state_text, questions=questions, scoring=scoring,
             state_field=state_field, question_fields=question_fields, question_names=question_names,
             budget_field=budget_field, max_request_tokens=max_request_tokens, return_prompt=return_prompt,
-            debias=debias, token_bytes=self._token_bytes,
+            debias=debias,
         )
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
