@@ -53,14 +53,19 @@ def main(argv=None) -> int:
                         help="time this many decisions cold, none vs reverse alternated (default 10)")
     parser.add_argument("--check-reversed", action="store_true",
                         help="also score the reversed listing with debiasing (doubles the work; equal by construction)")
-    parser.add_argument("--from-records", help="summarise the per-decision records a --log-each run printed (no model)")
+    parser.add_argument("--from-records", nargs="+", help="summarise the per-decision records a --log-each run printed (no model)")
     parser.add_argument("--log-each", action="store_true", help="print each decision's record to stderr as it is done")
     args = parser.parse_args(argv)
 
     if args.from_records:
-        with open(args.from_records, encoding="utf-8") as handle:
-            records = [json.loads(line) for line in handle if line.startswith("{")]
-        print(f"{len(records)} decision records from {args.from_records}")
+        seen, records = set(), []
+        for path in args.from_records:  # several runs' records, each decision once (the first seen)
+            with open(path, encoding="utf-8") as handle:
+                for record in (json.loads(line) for line in handle if line.startswith("{")):
+                    if record["id"] not in seen:
+                        seen.add(record["id"])
+                        records.append(record)
+        print(f"{len(records)} decision records from {', '.join(args.from_records)}")
         report(records, None, args)
         return 0
     if not args.model:
