@@ -59,7 +59,7 @@ class Vocab:
         return build_plan(template=self.template, labels=labels or self.labels, tokenize=self.tokenize,
                           eos_token=self.llm.token_eos(), bos_token=self.llm.token_bos(), adds_bos=True,
                           n_ctx=1 << 16, n_batch=64, state_text=state, questions=questions, scoring=scoring,
-                          debias=debias, token_bytes=lambda t: self.llm.detokenize([t], special=True))
+                          debias=debias)
 
     def close(self):
         self.llm.close()
@@ -113,18 +113,24 @@ def test_a_plans_pieces_tokenize_exactly_like_the_whole_prompt_text(vocab, scori
                 assert prefix + part.suffix_tokens == whole, (state, part.text)
 
 
-def test_tokenizing_a_piece_alone_adds_a_space_token_that_the_whole_text_does_not_have(spm_prefix_vocab):
-    """Why the plan tokenizes pieces in context: on a space-prefix SentencePiece vocabulary, the template
-    tail tokenized alone starts with a `▁` the whole prompt does not have there."""
-    v = spm_prefix_vocab
-    plan = v.plan(STATE, [ROUTE])
-    qplan = plan.questions[0]
-    tail = qplan.pieces[1]
-    alone = v.tokenize(tail.text, special=tail.special_tokens)
-    assert alone != list(tail.tokens)
-    whole = v.tokenize(plan.prefix_text + qplan.text, special=True, add_bos=True)
-    assert whole[-len(tail.tokens):] == list(tail.tokens)
-    assert v.llm.detokenize(alone[:1], special=True).startswith(b" ")
+@pytest.mark.parametrize("name", ["smollm2-bpe-plain", "gemma-spm-space-prefix-inst"])
+def test_tokenizing_each_piece_alone_is_not_the_whole_prompt_but_the_plans_pieces_are(name):
+    """Why the plan tokenizes pieces with their neighbours. BPE: the plain layout's head ends in a
+    blank line, one token `\n\n` alone but `\n`,`\n` before `<state>`. SentencePiece: "option." then a
+    plain-text `[/INST]` merge into `.[/` in the whole text."""
+    v = VOCABS[name]()
+    try:
+        plan = v.plan(STATE, [ROUTE])
+        qplan = plan.questions[0]
+        pieces = [*plan.prefix_pieces, *qplan.pieces]
+        naive = [t for i, piece in enumerate(pieces)
+                 for t in v.tokenize(piece.text, special=piece.special_tokens, add_bos=i == 0)]
+        planned = [t for piece in pieces for t in piece.tokens]
+        whole = v.tokenize(plan.prefix_text + qplan.text, special=True, add_bos=True)
+        assert naive != whole
+        assert planned == whole
+    finally:
+        v.close()
 
 
 # ---- §2 labels --------------------------------------------------------------------------------

@@ -1,15 +1,18 @@
 #!/usr/bin/env python
 """Option-order sensitivity with and without order debiasing, on labeled decisions (issue #11 §3).
 
-For each labeled decision, one debiased request (the options as given and reversed, scored over one cached
-each without debiasing ("none") and with it ("reverse": both orders scored over one cached state and
-combined). Reports, per mode, the share of decisions whose choice is unchanged when the options are
-reversed, accuracy (on the given order), and the mean compute time; then the latency ratio
-debias/none, measured in the same run. The context is emptied before every timed call, so each one
-evaluates its state: the ratio is what debiasing costs a request whose state is new.
+For each labeled decision, one debiased request through the engine: it scores the options as given
+and reversed over one cached state, and its per-order answers are what "none" answers for each listing
+(tests/test_labels_debias.py checks that equality). Reports the share of decisions whose choice is
+unchanged when the options are reversed, and accuracy, without and with debiasing. The debiased answer
+does not depend on the listing by construction (both listings score the same two prompts);
+--check-reversed computes it for the reversed listing too. Latency: on the first --latency-decisions
+decisions, "none" and "reverse" requests alternate with the context emptied before each, so every
+timed request evaluates its state: the ratio debias/none is what debiasing costs a new state.
 
 usage: python tools/order_eval.py MODEL.gguf [--data data/decisions-sample.jsonl data/heldout-decisions.jsonl]
-                                             [--scoring label] [--json out.json]
+                                             [--scoring label] [--latency-decisions 10] [--json out.json]
+       python tools/order_eval.py --from-records records.jsonl   (the lines a --log-each run printed)
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def load(paths):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model")
+    parser.add_argument("model", nargs="?")
     parser.add_argument("--data", nargs="+", default=[str(p) for p in DEFAULT_DATA])
     parser.add_argument("--scoring", default="label", choices=["label", "sequence"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
@@ -50,9 +53,23 @@ def main(argv=None) -> int:
                         help="time this many decisions cold, none vs reverse alternated (default 10)")
     parser.add_argument("--check-reversed", action="store_true",
                         help="also score the reversed listing with debiasing (doubles the work; equal by construction)")
+    parser.add_argument("--from-records", nargs="+", help="summarise the per-decision records a --log-each run printed (no model)")
     parser.add_argument("--log-each", action="store_true", help="print each decision's record to stderr as it is done")
     args = parser.parse_args(argv)
 
+    if args.from_records:
+        seen, records = set(), []
+        for path in args.from_records:  # several runs' records, each decision once (the first seen)
+            with open(path, encoding="utf-8") as handle:
+                for record in (json.loads(line) for line in handle if line.startswith("{")):
+                    if record["id"] not in seen:
+                        seen.add(record["id"])
+                        records.append(record)
+        print(f"{len(records)} decision records from {', '.join(args.from_records)}")
+        report(records, None, args)
+        return 0
+    if not args.model:
+        parser.error("MODEL.gguf is required (or --from-records)")
     rows = load(args.data)
     engine = Engine(args.model, n_ctx=4096, n_threads=args.threads, label_memo=False)
     print(f"{engine.info['file']} sha256 {engine.info['sha256'][:12]}… template {engine.info['template_version']} "
@@ -90,6 +107,12 @@ def main(argv=None) -> int:
             if args.log_each:
                 print(json.dumps(record), file=sys.stderr, flush=True)
 
+    report(records, engine, args)
+    engine.close()
+    return 0
+
+
+def report(records, engine, args) -> None:
     n = len(records)
     summary = {
         "n": n,
@@ -132,12 +155,10 @@ def main(argv=None) -> int:
         lat = summary["latency"]
         print(f"latency (cold state, {lat['decisions']} decisions x 2 alternated runs each): none {lat['none_mean_s']:.3f} s, "
               f"reverse {lat['reverse_mean_s']:.3f} s, ratio debias/none {ratio:.2f}")
-    if args.json:
+    if args.json and engine is not None:
         Path(args.json).write_text(json.dumps({"model": engine.info["file"], "sha256": engine.info["sha256"],
                                                "scoring": args.scoring, "summary": summary, "by_file": by_file,
                                                "latency_ratio": ratio, "records": records}, indent=1))
-    engine.close()
-    return 0
 
 
 if __name__ == "__main__":

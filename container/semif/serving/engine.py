@@ -295,9 +295,6 @@ class Engine:
             return []
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
 
-    def _token_bytes(self, token: int) -> bytes:
-        return self.llm.detokenize([token], special=True)
-
     def _llama_build(self) -> str:
         for name in ("llama_build_number", "LLAMA_BUILD_NUMBER"):
             value = getattr(self._lc, name, None)
@@ -338,7 +335,7 @@ class Engine:
             state_field=state_field, question_fields=question_fields, question_names=question_names,
             budget_field=budget_field, max_request_tokens=max_request_tokens, return_prompt=return_prompt,
             layout=layout, injection_check=injection_check, layout_field=layout_field,
-            debias=debias, token_bytes=self._token_bytes,
+            debias=debias,
         )
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:

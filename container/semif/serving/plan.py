@@ -203,60 +203,48 @@ def _tokenize_after(tokenize: Tokenize, before: str, text: str, *, special: bool
     return tokenize(text, special=special)
 
 
-TokenBytes = Callable[[int], bytes]  # one token's text as the model reads it (special tokens spelled out)
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-def _split_at(tokens: Sequence[int], token_bytes: TokenBytes, n_bytes: int) -> Optional[int]:
-    """The index where the first ``n_bytes`` bytes of the tokens' text end, if a token ends there."""
-    total = 0
-    for index, token in enumerate(tokens):
-        if total == n_bytes:
-            return index
-        total += len(token_bytes(token))
-        if total > n_bytes:
-            return None
-    return len(tokens) if total == n_bytes else None
-
-
-def _head_tokens(tokenize: Tokenize, token_bytes: Optional[TokenBytes], head: str, fence_open: str) -> list:
+def _head_tokens(tokenize: Tokenize, head: str, fence_open: str) -> list:
     """The template head's tokens as the whole prompt has them: tokenized together with the start of
-    the fence that follows it (template text too), then cut where the head's text ends. A BPE
+    the fence that follows it (template text too), then the fence's own tokens cut off. A BPE
     pre-tokenizer splits trailing whitespace by what follows (`\n\n` alone is one token, `\n\n<` is
-    `\n`,`\n`,`<`), so the head alone can end in a different token."""
+    `\n`,`\n`,`<`), so the head alone can end in a different token. When the joint tokens do not end
+    in the fence's tokens (a merge across the boundary), the head is tokenized alone."""
     alone = tokenize(head, special=True, add_bos=True)
-    if token_bytes is None or not head:
+    if not head:
         return alone
     joint = tokenize(head + fence_open, special=True, add_bos=True)
-    tail_bytes = len(fence_open.encode("utf-8"))
-    total, cut = 0, len(joint)
-    while cut > 0 and total < tail_bytes:
-        cut -= 1
-        total += len(token_bytes(joint[cut]))
-    return joint[:cut] if total == tail_bytes else alone
+    fence = _tokenize_after(tokenize, head, fence_open, special=True)
+    if fence and joint[-len(fence):] == fence:
+        return joint[: -len(fence)]
+    return alone
 
 
-def _question_tokens(tokenize: Tokenize, token_bytes: Optional[TokenBytes], before: str, block: str,
-                     tail: str) -> tuple[list, list]:
+def _question_tokens(tokenize: Tokenize, before: str, block: str, tail: str) -> tuple[list, list]:
     """(question block tokens, template tail tokens) as the whole prompt has them.
 
     The block is client text and never gets special tokens; the tail is template text. When the block
     holds no special-token text (tokenizing it with and without special tokens agrees), block and tail
-    are tokenized together, after the end of the fence before them, and split where the block's text
-    ends: a merge across the boundary (a plain-text `[/INST]` after "option." on SentencePiece) then
-    comes out as in the whole text. The merged token, if any, goes to the tail. Otherwise each is
-    tokenized in context on its own (_tokenize_after)."""
+    are tokenized together, after the end of the fence before them: a merge across the boundary (a
+    plain-text `[/INST]` after "option." on SentencePiece gives `.[/`) then comes out as in the whole
+    text. The run is split where it stops agreeing with the block tokenized on its own (in context);
+    a merged token goes to the tail. Otherwise each is tokenized in context on its own."""
     plain = _tokenize_after(tokenize, before, block, special=False)
-    if token_bytes is not None and tokenize(block, special=True) == tokenize(block, special=False):
+    if tokenize(block, special=True) == tokenize(block, special=False):
         context = _context_tail(before)
         head = tokenize(context, special=True) if context else []
         joint = tokenize(context + block + tail, special=True)
         if joint[: len(head)] == head:
             suffix = joint[len(head):]
-            block_bytes = len(block.encode("utf-8"))
-            total, cut = 0, 0
-            while cut < len(suffix) and total + len(token_bytes(suffix[cut])) <= block_bytes:
-                total += len(token_bytes(suffix[cut]))
-                cut += 1
+            cut = _common_prefix(plain, suffix)
             return suffix[:cut], suffix[cut:]
     return plain, _tokenize_after(tokenize, block, tail, special=True)
 
@@ -284,16 +272,14 @@ def build_plan(
     injection_check: bool = False,
     layout_field: str = "layout",
     debias: str = "none",
-    token_bytes: Optional[TokenBytes] = None,
 ) -> PromptPlan:
     """``layout``: "state_first" (the default) or "options_first" (single-question requests only: a plan
     with several questions is refused with a PlanError naming ``layout_field``; contracts and the HTTP
     layer decide before this whether a server default falls back to state_first).
 
-    ``token_bytes`` (one token's text) lets the plan tokenize template pieces together with their
-    neighbours and cut them where their text ends, so that the pieces' tokens equal the whole prompt's
-    (tests/test_labels_debias.py checks BPE and SentencePiece vocabularies); without it, each piece is
-    tokenized after the end of the text before it."""
+    Pieces are tokenized with their neighbours so that their tokens equal the whole prompt's
+    (_head_tokens, _tokenize_after, _question_tokens; tests/test_labels_debias.py checks BPE and
+    SentencePiece vocabularies)."""
     fields = list(question_fields) if question_fields is not None else [f"questions[{i}]" for i in range(len(questions))]
     names = list(question_names) if question_names is not None else [str(i) for i in range(len(questions))]
     if layout not in LAYOUTS:
@@ -337,7 +323,7 @@ def build_plan(
         options-first only, the order the options are shown in before the state."""
         if layout == "state_first":
             head_text, block_text = template.state_prefix_parts(state_text)
-            head_tokens = _head_tokens(tokenize, token_bytes, head_text, block_text[: block_text.index(">")])
+            head_tokens = _head_tokens(tokenize, head_text, block_text[: block_text.index(">")])
             if not head_tokens and adds_bos and bos_token is not None:
                 head_tokens = [bos_token]
             state_tokens = _tokenize_after(tokenize, head_text, block_text, special=False)
@@ -350,7 +336,7 @@ def build_plan(
         question = questions[0]
         head_text, question_text = template.options_first_prefix_parts(question, label_choice(question, order)[0], order)
         block_text = template.options_first_state_part(state_text)
-        head_tokens = _head_tokens(tokenize, token_bytes, head_text, question_text.split(" ", 1)[0])
+        head_tokens = _head_tokens(tokenize, head_text, question_text.split(" ", 1)[0])
         if not head_tokens and adds_bos and bos_token is not None:
             head_tokens = [bos_token]
         # The question block is its own segment(s) right after the head: these stay the same from one
@@ -375,7 +361,7 @@ def build_plan(
             block, tail = template.question_suffix_parts(question, label_texts, order)
         else:
             block, tail = template.options_first_suffix_parts(question, label_texts)
-        block_tokens, tail_tokens = _question_tokens(tokenize, token_bytes, before, block, tail)
+        block_tokens, tail_tokens = _question_tokens(tokenize, before, block, tail)
         pieces = (
             Piece("question", block, tuple(block_tokens), False),
             Piece("template", tail, tuple(tail_tokens), True),

@@ -1,0 +1,50 @@
+"""Order debiasing under the options-first layout (issues #11 §3 and #14 §3): the reversed order is its own
+cached options block, the state is evaluated after each, and the combined answer is the average of the
+two orders' log-probabilities. Real SmolLM2 inference throughout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from semif.serving.engine import combine_orders, softmax
+from semif.serving.prompt import Outcome, Question
+
+ROUTING = Question(
+    "Which team should take this ticket?",
+    (Outcome("network", "Wi-Fi, VPN and internet connectivity problems."),
+     Outcome("hardware", "Broken or missing laptops, monitors, keyboards."),
+     Outcome("billing", "Invoices, refunds and payments."),
+     Outcome("access", "Accounts, passwords and permissions.")),
+)
+REVERSED = Question(ROUTING.text, tuple(reversed(ROUTING.outcomes)))
+TICKET = "I was charged twice for the March invoice; please refund one of the two payments."
+
+
+def test_options_first_debias_gives_the_reversed_block_its_own_prefix_and_runs_the_state_after_it(engine):
+    plan = engine.plan(TICKET, [ROUTING], layout="options_first", debias="reverse")
+    question = plan.questions[0]
+    back = question.reversed
+    assert back is not None and back.own_prefix_segments is not None
+    shown = "".join(piece.text for piece in back.own_prefix_pieces)
+    # The reversed options come before the state, last option first; the state follows them.
+    assert shown.index("A. access") < shown.index("D. network") < shown.index(TICKET)
+    assert plan.prefix_text.index("A. network") < plan.prefix_text.index(TICKET)
+    assert plan.template_version.endswith("+options-first")
+
+
+def test_options_first_debias_reversed_order_equals_the_reversed_question_scored_alone(engine):
+    engine.invalidate()
+    debiased = engine.score(TICKET, [ROUTING], layout="options_first", debias="reverse").distributions[0]
+    engine.invalidate()
+    given = engine.score(TICKET, [ROUTING], layout="options_first", debias="none").distributions[0]
+    engine.invalidate()
+    alone = engine.score(TICKET, [REVERSED], layout="options_first", debias="none").distributions[0]
+    assert given.evaluated_tokens > 0 and alone.evaluated_tokens > 0
+    orders = debiased.orders
+    np.testing.assert_allclose(orders["given"]["probabilities"], given.probabilities, atol=1e-6)
+    # The reversed pass, put back in the given order, is the reversed question's own answer.
+    np.testing.assert_allclose(orders["reversed"]["probabilities"], alone.probabilities[::-1], atol=1e-6)
+    combined = softmax(combine_orders(given.option_logits, alone.option_logits[::-1]))
+    np.testing.assert_allclose(debiased.probabilities, combined, atol=1e-6)
+    assert sum(debiased.probabilities) == pytest.approx(1.0)
