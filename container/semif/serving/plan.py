@@ -409,7 +409,7 @@ def build_plan(
         # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
         binary = labels.binary
         check_block, check_tail = template.injection_check_parts(binary.texts)
-        block_tokens, tail_tokens = _question_tokens(tokenize, token_bytes, before_suffix, check_block, check_tail)
+        block_tokens, tail_tokens = _question_tokens(tokenize, before_suffix, check_block, check_tail)
         check_plan = QuestionPlan(
             question=Question(INJECTION_CHECK_QUESTION, (Outcome("yes"), Outcome("no")), kind="binary"),
             field=state_field, name="injection_check",
