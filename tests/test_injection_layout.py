@@ -258,11 +258,11 @@ def test_system_one_and_openai_requests_carry_layout_and_injection_suspected(cli
     assert s1.status_code == 200, s1.text
     meta = s1.json()["x_semif"]
     assert meta["template_version"].endswith("+options-first") and 0.0 < meta["injection_suspected"] < 1.0
-    oa = client.post("/v1/decisions", json={"model": "m", "input": TICKETS[1], "injection_check": True, "questions": [
+    oa = client.post("/v1/decisions", json={"model": "gpt-6-luna", "input": TICKETS[1], "injection_check": True, "questions": [
         {"type": "choice", "instructions": "Which team?", "choices": [{"value": "network"}, {"value": "hardware"}]}]})
     assert oa.status_code == 200, oa.text
     assert 0.0 < oa.json()["x_semif"]["injection_suspected"] < 1.0
-    bad = client.post("/v1/decisions", json={"model": "m", "input": "x", "layout": 3, "questions": [
+    bad = client.post("/v1/decisions", json={"model": "gpt-6-luna", "input": "x", "layout": 3, "questions": [
         {"type": "predicate", "instructions": "ok?"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "layout"
     many = client.post("/invocations", json={"state": "x", "layout": "options_first", "questions": {
