@@ -61,6 +61,8 @@ class Distribution:
     labels: Optional[list[str]] = None
     prompt_text: Optional[str] = None
     compute_ms: float = 0.0
+    # Sequence scoring: each option's token log-probabilities (its last token is the end-of-turn token).
+    answer_token_logprobs: Optional[list[list[float]]] = None
 
 
 @dataclass
@@ -218,6 +220,7 @@ class Engine:
             eos_text=self._piece(eos_id),
         )
         self.labels: Labels = self.template.select_labels(lambda text: self._tokenize(text, special=True))
+        self.end_of_turn_token = self._end_of_turn_token()
         self.n_gpu_layers = n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0
         self.info = {
             "file": self.model_path.name,
@@ -234,6 +237,7 @@ class Engine:
             "template_version": TEMPLATE_VERSION,
             "template_sha256": self.template.sha256,
             "max_label_options": len(self.labels.letters.texts),
+            "end_of_turn_token": self._piece(self.end_of_turn_token),
         }
 
     # ---- tokens -------------------------------------------------------------------------------
@@ -251,6 +255,19 @@ class Engine:
         if not text:
             return []
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+
+    def _end_of_turn_token(self) -> int:
+        """The token that ends an answer under sequence scoring: with a chat template, the first
+        end-of-generation token it writes after an assistant reply (``<|im_end|>`` for ChatML), else the
+        vocabulary's end-of-turn token; without one (plain layout, no turns) end-of-sequence."""
+        if self.template.chat_template is None:
+            return int(self.llm.token_eos())
+        vocab = self._lc.llama_model_get_vocab(self._model)
+        for token in self._tokenize(self.template.end_of_turn_text(), special=True):
+            if self._lc.llama_vocab_is_eog(vocab, token):
+                return int(token)
+        eot = int(self._lc.llama_vocab_eot(vocab))
+        return eot if eot >= 0 else int(self.llm.token_eos())
 
     def _llama_build(self) -> str:
         for name in ("llama_build_number", "LLAMA_BUILD_NUMBER"):
@@ -284,6 +301,7 @@ class Engine:
             n_ctx=self.n_ctx, n_batch=self.n_batch, state_text=state_text, questions=questions, scoring=scoring,
             state_field=state_field, question_fields=question_fields, question_names=question_names,
             budget_field=budget_field, max_request_tokens=max_request_tokens, return_prompt=return_prompt,
+            end_of_turn_token=self.end_of_turn_token,
         )
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
@@ -498,30 +516,40 @@ class Engine:
         )
 
     def _score_sequence(self, prefix: list[list[int]], suffix: list[int], answers: list[list[int]]) -> Distribution:
-        """Cloze scoring: mean log-probability of each answer's tokens after the prompt. The prompt
-        (less its last token) is evaluated once; each answer is one segment: the prompt's last token
-        followed by the answer's tokens, with logits at every position."""
+        """Cloze scoring: mean log-probability of each answer's tokens (which end with the end-of-turn
+        token) after the prompt.
+
+        The whole prompt is evaluated once, its question suffix as one segment with logits at its last
+        position: that one row gives the first answer token's distribution for every option, so the
+        options compared share the same first-token numbers (re-running the prompt's last token once per
+        option, in batches of different sizes, put kernel drift between them). Each answer's remaining
+        tokens are then one segment after the prompt, with logits at every position."""
         self._ensure_prefix(prefix)
         prompt_len = sum(len(s) for s in prefix) + len(suffix)
-        body = prefix + ([suffix[:-1]] if len(suffix) > 1 else [])
-        scores, reused_first, evaluated = [], None, 0
+        body = prefix + [suffix]
+        rows, reused, evaluated = self._forward(body, [prompt_len - 1])
+        first = _log_softmax_rows(rows[prompt_len - 1][None, :])[0]
+        scores, per_token = [], []
         for answer in answers:
-            tail = [suffix[-1]] + answer[:-1]
-            positions = list(range(prompt_len - 1, prompt_len - 1 + len(tail)))
-            rows, reused, n_eval = self._forward(body + [tail], positions)
-            reused_first = reused if reused_first is None else reused_first
-            evaluated += n_eval
-            logprobs = _log_softmax_rows(np.stack([rows[p] for p in positions]))
-            total = sum(logprobs[i, t] for i, t in enumerate(answer))
-            scores.append(float(total / len(answer)))
+            logprobs = [float(first[answer[0]])]
+            tail = answer[:-1]
+            if tail:
+                positions = list(range(prompt_len, prompt_len + len(tail)))
+                rows, _, n_eval = self._forward(body + [tail], positions)
+                evaluated += n_eval
+                later = _log_softmax_rows(np.stack([rows[p] for p in positions]))
+                logprobs += [float(later[i, t]) for i, t in enumerate(answer[1:])]
+            per_token.append(logprobs)
+            scores.append(float(sum(logprobs) / len(logprobs)))
         scores = [s if math.isfinite(s) else -1e30 for s in scores]
         return Distribution(
             option_logits=scores,
             probabilities=softmax(scores),
             tokens=prompt_len,
-            cached_tokens=reused_first or 0,
+            cached_tokens=reused,
             evaluated_tokens=evaluated,
             scoring="sequence",
+            answer_token_logprobs=per_token,
         )
 
     def close(self) -> None:

@@ -129,6 +129,28 @@ class PromptPlan:
         return self.state_tokens + sum(q.worst_case_tokens for q in self.questions)
 
 
+def answer_tokens_in_context(
+    tokenize: Tokenize, cue_text: str, cue_tokens: Sequence[int], answer_text: str, end_token: int
+) -> tuple[int, ...]:
+    """The tokens of one cloze answer as the model would write them after the answer cue, then the
+    end-of-turn token.
+
+    In context: the answer is tokenized together with the cue and the cue's own tokens are cut off, so a
+    SentencePiece vocabulary does not give the answer a second word-start ``▁`` that it would never write
+    after the cue, and a BPE merge across the boundary is seen. The answer is client text: it is
+    tokenized with special tokens allowed only when that changes nothing in it (otherwise, and when the
+    cue's tokens change at the boundary, it is tokenized alone as plain text). The end-of-turn token
+    makes a finished answer different from the start of a longer one: ``yes`` pays for ending the turn
+    where the model wanted to go on to ``yes_but_later``."""
+    plain = list(tokenize(answer_text, special=False)) if answer_text else []
+    tokens = plain
+    if cue_text and plain and list(tokenize(answer_text, special=True)) == plain:
+        full = list(tokenize(cue_text + answer_text, special=True))
+        if full[: len(cue_tokens)] == list(cue_tokens) and len(full) > len(cue_tokens):
+            tokens = full[len(cue_tokens):]
+    return tuple(tokens) + (end_token,)
+
+
 def build_plan(
     *,
     template: PromptTemplate,
@@ -148,6 +170,7 @@ def build_plan(
     budget_field: str = "questions",
     max_request_tokens: Optional[int] = None,
     return_prompt: bool = False,
+    end_of_turn_token: Optional[int] = None,
 ) -> PromptPlan:
     fields = list(question_fields) if question_fields is not None else [f"questions[{i}]" for i in range(len(questions))]
     names = list(question_names) if question_names is not None else [str(i) for i in range(len(questions))]
@@ -192,8 +215,10 @@ def build_plan(
         )
         answers: tuple[tuple[int, ...], ...] = ()
         if scoring == "sequence":
+            end = eos_token if end_of_turn_token is None else end_of_turn_token
+            cue_tokens = tokenize(tail, special=True)  # the answer cue: the text right before the answer
             answers = tuple(
-                tuple(tokenize(template.label_prefix + text, special=False) or [eos_token])
+                answer_tokens_in_context(tokenize, tail, cue_tokens, template.label_prefix + text, end)
                 for text in question.answer_texts()
             )
         plan = QuestionPlan(
