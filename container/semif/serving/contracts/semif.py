@@ -150,10 +150,13 @@ def parse(body: Any, limits: Limits) -> Job:
                 "tokens": dist.tokens,
                 "cached_tokens": dist.cached_tokens,
                 "evaluated_tokens": dist.evaluated_tokens,
-                "template_version": TEMPLATE_VERSION,
+                # A native decision model's own template reads "gguf:<sha256 prefix>" (engine info).
+                "template_version": run.model.get("template_version") or TEMPLATE_VERSION,
                 "template_sha256": run.model.get("template_sha256"),
                 "options_sha256": opt_hash,
             }
+            if getattr(dist, "temperature", None) is not None:
+                prompt["temperature"] = dist.temperature  # the native model's own, applied to the logits
             if request.return_prompt:
                 prompt["text"] = dist.prompt_text
                 prompt["label_token_ids"] = dist.label_token_ids

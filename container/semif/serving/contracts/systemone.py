@@ -224,7 +224,7 @@ def parse(body: Any, limits: Limits) -> Job:
                 "llama_cpp_build": info["llama_cpp_build"],
                 "hardware": info["hardware"],
                 "n_gpu_layers": info["n_gpu_layers"],
-                "template_version": TEMPLATE_VERSION,
+                "template_version": info.get("template_version") or TEMPLATE_VERSION,
                 "template_sha256": info.get("template_sha256"),
                 "image_digest": run.image_digest,
                 "scoring": result.distributions[0].scoring if result.distributions else None,
