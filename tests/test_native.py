@@ -30,7 +30,7 @@ JEV_TEMPLATE = (
 SYSTEMONE_TEMPLATE = (
     "<|im_start|>system\nDecide.<|im_end|>\n<|im_start|>user\n{{ state }}\n\n{{ instructions }}\n"
     "{% for option in options %}{{ 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'[loop.index0] }}. {{ option.key }}"
-    "{% if option.description %}: {{ option.description }}{% endif %}\n{% endfor %}"
+    "{% if option.description %}: {{ option.description }}{% endif %}{{ '\\n' }}{% endfor %}"
     "<|im_end|>\n<|im_start|>assistant\n"
 )
 
@@ -192,7 +192,7 @@ def test_the_semif_answer_names_the_models_own_template_version_and_temperature(
     assert prompt["template_version"] == jev_engine.native.template_version
     assert prompt["template_sha256"] == jev_engine.native.sha256
     assert prompt["temperature"] == 2.0
-    assert sequence.status_code == 422 and "scoring" in sequence.text
+    assert sequence.status_code == 422 and sequence.json()["error"]["field"] == "scoring"
 
 
 @pytest.mark.parametrize("metadata, message", [

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .manifest import sha256_file
-from .native import NativeDecision, build_native_plan, read_native_decision
+from .native import NativeDecision, ScoringUnsupported, build_native_plan, read_native_decision
 from .plan import EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, TokenBudgetExceeded, build_plan
 from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION
 
@@ -311,8 +311,8 @@ class Engine:
             raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
         if self.native is not None:
             if scoring != "label":
-                raise PlanError("this model is a native decision model, read at its own labels: scoring must be 'label'",
-                                field="scoring")
+                raise ScoringUnsupported("this model is a native decision model, read at its own labels: scoring must be 'label'",
+                                         field="scoring")
             return build_native_plan(
                 native=self.native, tokenize=self._tokenize, n_ctx=self.n_ctx, n_batch=self.n_batch,
                 state_text=state_text, questions=questions, state_field=state_field,

@@ -50,6 +50,12 @@ JEV_FIELDS = ("state", "question_name", "instructions", "criteria")
 _MARK = re.compile("\ue000([0-9]+)\ue001")
 
 
+class ScoringUnsupported(LabelError):
+    """A request for a scoring method a native decision model does not offer (a 422 naming `scoring`)."""
+
+    code = "unsupported_scoring"
+
+
 class NativeDecisionError(ValueError):
     """The GGUF carries decision metadata this adapter cannot honour (the model is refused at load)."""
 
