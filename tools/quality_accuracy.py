@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def main() -> None:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         for scoring in args.scoring:
             correct, times = 0, []
-            for row in rows:
+            for done, row in enumerate(rows):
+                print(f"\r{path.name} {scoring} {done}/{len(rows)}", end="", file=sys.stderr, flush=True)  # progress
                 question = P.Question(row["question"], tuple(P.Outcome(o["id"], o.get("description")) for o in row["options"]))
                 started = time.perf_counter()
                 dist = engine.score(row["state"], [question], scoring=scoring).distributions[0]
@@ -41,6 +43,7 @@ def main() -> None:
                 ids = [o["id"] for o in row["options"]]
                 correct += ids[max(range(len(ids)), key=lambda i: dist.probabilities[i])] == row["answer"]
             times.sort()
+            print("\r", end="", file=sys.stderr, flush=True)
             print(f"{path.name} {scoring} acc {correct}/{len(rows)}={correct / len(rows):.3f} "
                   f"p50 {times[len(times) // 2]:.2f}s", flush=True)
 
