@@ -192,7 +192,8 @@ def test_sequence_scoring_matches_a_manual_continuation_log_likelihood(engine, m
     fresh = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=1024, logits_all=True, verbose=False)
     try:
         prompt = fresh.tokenize(dist.prompt_text.encode(), add_bos=True, special=True)
-        answer = fresh.tokenize(b"billing", add_bos=False, special=False)
+        # The answer as the model would write it after the assistant header, ending its turn.
+        answer = fresh.tokenize(b"billing<|im_end|>", add_bos=False, special=True)
         fresh.eval(prompt + answer)
         logits = np.asarray(fresh.scores[: len(prompt) + len(answer)], dtype=np.float64)
         total = 0.0

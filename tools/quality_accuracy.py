@@ -1,22 +1,52 @@
 #!/usr/bin/env python
-"""Label vs sequence accuracy and p50 latency of one GGUF on the labeled sample, in-process.
+"""Label vs sequence accuracy and p50 latency of one GGUF on labeled decision files, in-process.
 
-usage: python tools/quality_accuracy.py MODEL.gguf   (e.g. the quality reference model, Qwen2.5-Coder-1.5B-Instruct Q4_K_M)
+usage: python tools/quality_accuracy.py MODEL.gguf [--data FILE.jsonl ...] [--scoring label sequence]
+  (e.g. the quality reference model, Qwen2.5-Coder-1.5B-Instruct Q4_K_M). Without --data it reads
+  data/decisions-sample.jsonl and data/heldout-decisions.jsonl, and prints one line per file and method.
 """
-import json, time, sys
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
 from pathlib import Path
-from semif.serving.engine import Engine
+
 from semif.serving import prompt as P
-path=sys.argv[1]
-rows=[json.loads(l) for l in open(Path(__file__).resolve().parents[1] / 'data' / 'decisions-sample.jsonl')]
-e=Engine(path, n_ctx=4096, n_threads=2)
-print(e.info['file'], e.info['sha256'][:12], flush=True)
-for scoring in ('label','sequence'):
-    c=0; ts=[]
-    for r in rows:
-        q=P.Question(r['question'], tuple(P.Outcome(o['id'], o.get('description')) for o in r['options']))
-        t=time.perf_counter(); d=e.score(r['state'], [q], scoring=scoring).distributions[0]; ts.append(time.perf_counter()-t)
-        ids=[o['id'] for o in r['options']]
-        c+= ids[max(range(len(ids)), key=lambda i:d.probabilities[i])]==r['answer']
-    ts.sort()
-    print(scoring, f"acc {c}/{len(rows)}={c/len(rows):.3f}", f"p50 {ts[len(ts)//2]:.2f}s", flush=True)
+from semif.serving.engine import Engine
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+DEFAULT_FILES = [DATA / "decisions-sample.jsonl", DATA / "heldout-decisions.jsonl"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="GGUF file")
+    parser.add_argument("--data", type=Path, nargs="+", default=DEFAULT_FILES, help="labeled JSON Lines files")
+    parser.add_argument("--scoring", nargs="+", default=["label", "sequence"], choices=["label", "sequence"])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    engine = Engine(args.model, n_ctx=4096, n_threads=args.threads)
+    print(engine.info["file"], engine.info["sha256"][:12], engine.info["template_version"], flush=True)
+    for path in args.data:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for scoring in args.scoring:
+            correct, times = 0, []
+            for done, row in enumerate(rows):
+                print(f"\r{path.name} {scoring} {done}/{len(rows)}", end="", file=sys.stderr, flush=True)  # progress
+                question = P.Question(row["question"], tuple(P.Outcome(o["id"], o.get("description")) for o in row["options"]))
+                started = time.perf_counter()
+                dist = engine.score(row["state"], [question], scoring=scoring).distributions[0]
+                times.append(time.perf_counter() - started)
+                ids = [o["id"] for o in row["options"]]
+                correct += ids[max(range(len(ids)), key=lambda i: dist.probabilities[i])] == row["answer"]
+            times.sort()
+            print("\r", end="", file=sys.stderr, flush=True)
+            print(f"{path.name} {scoring} acc {correct}/{len(rows)}={correct / len(rows):.3f} "
+                  f"p50 {times[len(times) // 2]:.2f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .manifest import sha256_file
+from .native import NativeDecision, ScoringUnsupported, build_native_plan, read_native_decision
 from .plan import DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, TokenBudgetExceeded, build_plan
 from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
 
@@ -72,6 +73,9 @@ class Distribution:
     # With debias "reverse": each order's own answer, outcomes in the given order
     # ({"given": {...}, "reversed": {...}}, each with probabilities, option_logits, label_mass).
     orders: Optional[dict] = None
+    # Sequence scoring: each option's token log-probabilities (its last token is the end-of-turn token).
+    answer_token_logprobs: Optional[list[list[float]]] = None
+    temperature: Optional[float] = None  # a native decision model's: probabilities = softmax(logits / T)
 
 
 @dataclass
@@ -259,6 +263,13 @@ class Engine:
         # Turn markers this template writes as plain text for this vocabulary: escaped inside every state.
         self.template.detect_plain_markers(self._tokenize)
         normalise_for_fence("\u00e9")  # builds the format-character table now, not in the first request
+        self.end_of_turn_token = self._end_of_turn_token()
+        # A GGUF made for decisions brings its own template, labels and temperatures (semif/serving/native.py).
+        self.native: Optional[NativeDecision] = read_native_decision(
+            metadata, lambda text, special, add_bos=False: self._tokenize(text, special=special, add_bos=add_bos)
+        )
+        if self.native is not None:
+            self.default_scoring = "label"  # a native model is read at its labels
         self.n_gpu_layers = n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0
         self.info = {
             "file": self.model_path.name,
@@ -277,7 +288,14 @@ class Engine:
             "max_label_options": len(self.labels.letters.texts),
             "plain_turn_markers": list(self.template.plain_markers),
             "thinking": self.template.thinking,
+            "end_of_turn_token": self._piece(self.end_of_turn_token),
+            "native_decision": None,
         }
+        if self.native is not None:
+            self.info.update(template_version=self.native.template_version, template_sha256=self.native.sha256,
+                             native_decision=self.native.describe(), max_label_options=self.native.describe()["labels"])
+            log.info("native decision model: its own template, labels and temperatures are used",
+                     extra={"native_decision": self.native.describe()})
 
     # ---- tokens -------------------------------------------------------------------------------
 
@@ -294,6 +312,19 @@ class Engine:
         if not text:
             return []
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+
+    def _end_of_turn_token(self) -> int:
+        """The token that ends an answer under sequence scoring: with a chat template, the first
+        end-of-generation token it writes after an assistant reply (``<|im_end|>`` for ChatML), else the
+        vocabulary's end-of-turn token; without one (plain layout, no turns) end-of-sequence."""
+        if self.template.chat_template is None:
+            return int(self.llm.token_eos())
+        vocab = self._lc.llama_model_get_vocab(self._model)
+        for token in self._tokenize(self.template.end_of_turn_text(), special=True):
+            if self._lc.llama_vocab_is_eog(vocab, token):
+                return int(token)
+        eot = int(self._lc.llama_vocab_eot(vocab))
+        return eot if eot >= 0 else int(self.llm.token_eos())
 
     def _llama_build(self) -> str:
         for name in ("llama_build_number", "LLAMA_BUILD_NUMBER"):
@@ -328,6 +359,26 @@ class Engine:
         debias = debias or getattr(self, "default_debias", "none")
         if debias not in DEBIAS_MODES:
             raise PlanError(f"unknown debias mode {debias!r}; use one of {', '.join(DEBIAS_MODES)}", field="debias")
+        if self.native is not None:
+            if scoring != "label":
+                raise ScoringUnsupported("this model is a native decision model, read at its own labels: scoring must be 'label'",
+                                         field="scoring")
+            # The model's own template decides the layout and has no place for our restatement or checks.
+            if layout != "state_first":
+                raise PlanError("this model is a native decision model with its own prompt template: layout must be "
+                                "'state_first'", field=layout_field)
+            if debias != "none":
+                raise PlanError("this model is a native decision model with its own prompt template: debias must be "
+                                "'none'", field="debias")
+            if injection_check:
+                raise PlanError("this model is a native decision model with its own prompt template: the injection "
+                                "check is not available", field="injection_check")
+            return build_native_plan(
+                native=self.native, tokenize=self._tokenize, n_ctx=self.n_ctx, n_batch=self.n_batch,
+                state_text=state_text, questions=questions, state_field=state_field,
+                question_fields=question_fields, question_names=question_names, budget_field=budget_field,
+                max_request_tokens=max_request_tokens, return_prompt=return_prompt,
+            )
         return build_plan(
             template=self.template, labels=self.labels, tokenize=self._tokenize,
             eos_token=self.llm.token_eos(), bos_token=self.llm.token_bos(), adds_bos=self._adds_bos(),
@@ -335,7 +386,7 @@ class Engine:
             state_field=state_field, question_fields=question_fields, question_names=question_names,
             budget_field=budget_field, max_request_tokens=max_request_tokens, return_prompt=return_prompt,
             layout=layout, injection_check=injection_check, layout_field=layout_field,
-            debias=debias,
+            debias=debias, end_of_turn_token=self.end_of_turn_token,
         )
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
@@ -629,9 +680,11 @@ class Engine:
                 self._label_memo[key] = (logits, label_mass)
                 while len(self._label_memo) > LABEL_MEMO_SIZE:
                     self._label_memo.popitem(last=False)
+        temperature = qplan.temperature
         return Distribution(
             option_logits=logits,
-            probabilities=softmax(logits),
+            probabilities=softmax([x / temperature for x in logits]) if temperature else softmax(logits),
+            temperature=temperature,
             tokens=total,
             cached_tokens=reused,
             evaluated_tokens=evaluated,
@@ -643,30 +696,40 @@ class Engine:
         )
 
     def _score_sequence(self, prefix: list[list[int]], suffix: list[int], answers: list[list[int]]) -> Distribution:
-        """Cloze scoring: mean log-probability of each answer's tokens after the prompt. The prompt
-        (less its last token) is evaluated once; each answer is one segment: the prompt's last token
-        followed by the answer's tokens, with logits at every position."""
+        """Cloze scoring: mean log-probability of each answer's tokens (which end with the end-of-turn
+        token) after the prompt.
+
+        The whole prompt is evaluated once, its question suffix as one segment with logits at its last
+        position: that one row gives the first answer token's distribution for every option, so the
+        options compared share the same first-token numbers (re-running the prompt's last token once per
+        option, in batches of different sizes, put kernel drift between them). Each answer's remaining
+        tokens are then one segment after the prompt, with logits at every position."""
         self._ensure_prefix(prefix)
         prompt_len = sum(len(s) for s in prefix) + len(suffix)
-        body = prefix + ([suffix[:-1]] if len(suffix) > 1 else [])
-        scores, reused_first, evaluated = [], None, 0
+        body = prefix + [suffix]
+        rows, reused, evaluated = self._forward(body, [prompt_len - 1])
+        first = _log_softmax_rows(rows[prompt_len - 1][None, :])[0]
+        scores, per_token = [], []
         for answer in answers:
-            tail = [suffix[-1]] + answer[:-1]
-            positions = list(range(prompt_len - 1, prompt_len - 1 + len(tail)))
-            rows, reused, n_eval = self._forward(body + [tail], positions)
-            reused_first = reused if reused_first is None else reused_first
-            evaluated += n_eval
-            logprobs = _log_softmax_rows(np.stack([rows[p] for p in positions]))
-            total = sum(logprobs[i, t] for i, t in enumerate(answer))
-            scores.append(float(total / len(answer)))
+            logprobs = [float(first[answer[0]])]
+            tail = answer[:-1]
+            if tail:
+                positions = list(range(prompt_len, prompt_len + len(tail)))
+                rows, _, n_eval = self._forward(body + [tail], positions)
+                evaluated += n_eval
+                later = _log_softmax_rows(np.stack([rows[p] for p in positions]))
+                logprobs += [float(later[i, t]) for i, t in enumerate(answer[1:])]
+            per_token.append(logprobs)
+            scores.append(float(sum(logprobs) / len(logprobs)))
         scores = [s if math.isfinite(s) else -1e30 for s in scores]
         return Distribution(
             option_logits=scores,
             probabilities=softmax(scores),
             tokens=prompt_len,
-            cached_tokens=reused_first or 0,
+            cached_tokens=reused,
             evaluated_tokens=evaluated,
             scoring="sequence",
+            answer_token_logprobs=per_token,
         )
 
     def close(self) -> None:

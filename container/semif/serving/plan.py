@@ -99,6 +99,7 @@ class QuestionPlan:
     # so it has its own prefix (head, reversed options, state) instead of the plan's; None otherwise.
     own_prefix_pieces: Optional[tuple[Piece, ...]] = None
     own_prefix_segments: Optional[tuple[tuple[int, ...], ...]] = None
+    temperature: Optional[float] = None  # a native decision model's own (semif/serving/native.py); None: 1
 
     @property
     def suffix_tokens(self) -> list[int]:
@@ -249,6 +250,28 @@ def _question_tokens(tokenize: Tokenize, before: str, block: str, tail: str) -> 
     return plain, _tokenize_after(tokenize, block, tail, special=True)
 
 
+def answer_tokens_in_context(
+    tokenize: Tokenize, cue_text: str, cue_tokens: Sequence[int], answer_text: str, end_token: int
+) -> tuple[int, ...]:
+    """The tokens of one cloze answer as the model would write them after the answer cue, then the
+    end-of-turn token.
+
+    In context: the answer is tokenized together with the cue and the cue's own tokens are cut off, so a
+    SentencePiece vocabulary does not give the answer a second word-start ``▁`` that it would never write
+    after the cue, and a BPE merge across the boundary is seen. The answer is client text: it is
+    tokenized with special tokens allowed only when that changes nothing in it (otherwise, and when the
+    cue's tokens change at the boundary, it is tokenized alone as plain text). The end-of-turn token
+    makes a finished answer different from the start of a longer one: ``yes`` pays for ending the turn
+    where the model wanted to go on to ``yes_but_later``."""
+    plain = list(tokenize(answer_text, special=False)) if answer_text else []
+    tokens = plain
+    if cue_text and plain and list(tokenize(answer_text, special=True)) == plain:
+        full = list(tokenize(cue_text + answer_text, special=True))
+        if full[: len(cue_tokens)] == list(cue_tokens) and len(full) > len(cue_tokens):
+            tokens = full[len(cue_tokens):]
+    return tuple(tokens) + (end_token,)
+
+
 def build_plan(
     *,
     template: PromptTemplate,
@@ -272,6 +295,7 @@ def build_plan(
     injection_check: bool = False,
     layout_field: str = "layout",
     debias: str = "none",
+    end_of_turn_token: Optional[int] = None,
 ) -> PromptPlan:
     """``layout``: "state_first" (the default) or "options_first" (single-question requests only: a plan
     with several questions is refused with a PlanError naming ``layout_field``; contracts and the HTTP
@@ -368,9 +392,11 @@ def build_plan(
         )
         answers: tuple[tuple[int, ...], ...] = ()
         if scoring == "sequence":
-            texts = question.answer_texts()
+            end = eos_token if end_of_turn_token is None else end_of_turn_token
+            cue_tokens = tokenize(tail, special=True)  # the answer cue: the text right before the answer
             answers = tuple(
-                tuple(tokenize(template.label_prefix + texts[i], special=False) or [eos_token]) for i in order
+                answer_tokens_in_context(tokenize, tail, cue_tokens, template.label_prefix + text, end)
+                for text in [question.answer_texts()[i] for i in order]
             )
         return QuestionPlan(
             question=question, field=field, name=name, pieces=pieces,

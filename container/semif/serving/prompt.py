@@ -380,6 +380,26 @@ class PromptTemplate:
         self.plain_markers = plain
         return plain
 
+    def end_of_turn_text(self) -> str:
+        """What the chat template writes right after an assistant reply (``<|im_end|>`` and a newline for
+        ChatML, ``<end_of_turn>`` for Gemma): where a finished answer ends. Empty without a chat template
+        or when the template will not render a finished assistant turn."""
+        if self._compiled is None:
+            return ""
+        marker = "\u0001ANSWER\u0001"
+        kwargs = dict(add_generation_prompt=False, bos_token=self._bos_text, eos_token=self._eos_text)
+        for messages in (
+            [{"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+        ):
+            try:
+                rendered = self._compiled.render(messages=messages, **kwargs)
+            except jinja2.exceptions.TemplateError:
+                continue
+            if marker in rendered:
+                return rendered.split(marker, 1)[1]
+        return ""
+
     @property
     def answer_cue(self) -> str:
         """The text right before the model's answer (the assistant header, or `Answer:`)."""

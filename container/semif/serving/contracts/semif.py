@@ -162,12 +162,15 @@ def parse(body: Any, limits: Limits) -> Job:
                 "tokens": dist.tokens,
                 "cached_tokens": dist.cached_tokens,
                 "evaluated_tokens": dist.evaluated_tokens,
-                "template_version": getattr(result, "template_version", TEMPLATE_VERSION),
+                # The plan's version: the layout it ran, or a native decision model's "gguf:<sha256 prefix>".
+                "template_version": getattr(result, "template_version", None) or run.model.get("template_version") or TEMPLATE_VERSION,
                 "template_sha256": run.model.get("template_sha256"),
                 "options_sha256": opt_hash,
                 "layout": getattr(result, "layout", "state_first"),
             }
             prompt["debias"] = dist.debias
+            if getattr(dist, "temperature", None) is not None:
+                prompt["temperature"] = dist.temperature  # the native model's own, applied to the logits
             if request.return_prompt:
                 prompt["text"] = dist.prompt_text
                 prompt["label_token_ids"] = dist.label_token_ids
