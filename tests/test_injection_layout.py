@@ -171,21 +171,20 @@ def test_the_injection_check_reuses_the_state_and_does_not_change_the_answer(eng
 
 
 def test_the_injection_check_equals_p_yes_of_its_prompt_evaluated_from_scratch(engine, model_path):
-    from llama_cpp import Llama
+    import llama_cpp
 
     result = engine.score(TICKETS[1], [ROUTING], injection_check=True)
     plan = engine.plan(TICKETS[1], [ROUTING], injection_check=True)
     tokens = [t for s in plan.prefix_segments for t in s] + list(plan.injection_check.suffix_tokens)
-    llm = Llama(model_path=str(model_path), n_ctx=2048, n_batch=2048, n_ubatch=2048, logits_all=False, verbose=False)
+    fresh = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=1024, logits_all=False, verbose=False)
     try:
-        llm.eval(tokens)
-        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        fresh.eval(tokens)
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(fresh._ctx.ctx, -1), shape=(fresh.n_vocab(),))
+        yes, no = (float(row[t]) for t in plan.injection_check.label_token_ids)
     finally:
-        llm.close()
-    yes, no = (row[t] for t in plan.injection_check.label_token_ids)
-    expected = 1.0 / (1.0 + np.exp(no - yes))
-    # Another batch shape (one batch instead of segments) moves logits slightly: close, not bit-equal.
-    assert result.injection_suspected == pytest.approx(expected, abs=0.02)
+        fresh.close()
+    # One batch instead of segments: other kernels, logits within 2e-3 (as for the questions themselves).
+    assert result.injection_suspected == pytest.approx(1.0 / (1.0 + np.exp(no - yes)), abs=1e-3)
 
 
 def test_turn_markers_that_are_plain_text_for_the_template_are_found_and_escaped_inside_the_state(engine):
@@ -252,11 +251,11 @@ def test_system_one_and_openai_requests_carry_layout_and_injection_suspected(cli
     assert s1.status_code == 200, s1.text
     meta = s1.json()["x_semif"]
     assert meta["template_version"].endswith("+options-first") and 0.0 < meta["injection_suspected"] < 1.0
-    oa = client.post("/v1/decisions", json={"model": "m", "input": TICKETS[1], "injection_check": True, "questions": [
+    oa = client.post("/v1/decisions", json={"model": "gpt-6-luna", "input": TICKETS[1], "injection_check": True, "questions": [
         {"type": "choice", "instructions": "Which team?", "choices": [{"value": "network"}, {"value": "hardware"}]}]})
     assert oa.status_code == 200, oa.text
     assert 0.0 < oa.json()["x_semif"]["injection_suspected"] < 1.0
-    bad = client.post("/v1/decisions", json={"model": "m", "input": "x", "layout": 3, "questions": [
+    bad = client.post("/v1/decisions", json={"model": "gpt-6-luna", "input": "x", "layout": 3, "questions": [
         {"type": "predicate", "instructions": "ok?"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "layout"
     many = client.post("/invocations", json={"state": "x", "layout": "options_first", "questions": {
