@@ -171,27 +171,23 @@ def test_the_injection_check_reuses_the_state_and_does_not_change_the_answer(eng
 
 
 def test_the_injection_check_equals_p_yes_of_its_prompt_evaluated_from_scratch(engine, model_path):
-    from llama_cpp import Llama
+    import llama_cpp
 
     result = engine.score(TICKETS[1], [ROUTING], injection_check=True)
     plan = engine.plan(TICKETS[1], [ROUTING], injection_check=True)
     tokens = [t for s in plan.prefix_segments for t in s] + list(plan.injection_check.suffix_tokens)
-    import llama_cpp
-
-    llm = Llama(model_path=str(model_path), n_ctx=2048, n_batch=2048, n_ubatch=2048, logits_all=False, verbose=False)
+    fresh = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=1024, logits_all=False, verbose=False)
     try:
-        llm.eval(tokens)
+        fresh.eval(tokens)
         # With logits_all=False, eval() leaves Llama.scores empty: read the last position's logits.
-        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-        row = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(np.float64)
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(fresh._ctx.ctx, -1), shape=(fresh.n_vocab(),))
+        # Each label scores all its spellings (log-sum-exp of their logits), as the engine does.
+        yes, no = (float(np.logaddexp.reduce(row[list(v)].astype(np.float64))) for v in plan.injection_check.label_variants)
     finally:
-        llm.close()
-    # Each label scores all its spellings (log-sum-exp of their logits), as the engine does.
-    yes, no = (np.logaddexp.reduce(row[list(v)]) for v in plan.injection_check.label_variants)
-    expected = 1.0 / (1.0 + np.exp(no - yes))
+        fresh.close()
     assert abs(yes - no) > 1e-3  # a real row, not an empty one (equal labels would give exactly 0.5)
-    # Another batch shape (one batch instead of segments) moves logits slightly: close, not bit-equal.
-    assert result.injection_suspected == pytest.approx(expected, abs=0.02)
+    # One batch instead of segments: other kernels, logits within 2e-3 (as for the questions themselves).
+    assert result.injection_suspected == pytest.approx(1.0 / (1.0 + np.exp(no - yes)), abs=1e-3)
 
 
 def test_turn_markers_that_are_plain_text_for_the_template_are_found_and_escaped_inside_the_state(engine):
