@@ -109,6 +109,10 @@ class Settings:
     # below the 3600 s invocation timeout semif-batch sets; 0 tokens = no budget beyond the context.
     batch_deadline_s: float = 3300.0
     batch_max_request_tokens: int = 0
+    # Several sequences per decode (semif/serving/batching.py): off by default, so that an answer never
+    # depends on the batch it was computed in. n_seq is read only when batching is on.
+    batching: bool = False
+    n_seq: int = 4
 
     @property
     def served_model_name(self) -> str:
@@ -133,6 +137,10 @@ class Settings:
         max_options = _int(env, "SEMIF_MAX_OPTIONS", 255, minimum=2)
         if max_options > 255:
             raise SettingsError(f"SEMIF_MAX_OPTIONS={max_options} must be <= 255")
+        batching = _bool(env, "SEMIF_BATCHING", False)
+        n_seq = _int(env, "SEMIF_N_SEQ", 4, minimum=2) if batching else 4
+        if n_seq > 256:
+            raise SettingsError(f"SEMIF_N_SEQ={n_seq} must be <= 256 (llama.cpp's most parallel sequences)")
         return cls(
             model_path=model_path,
             host=env.get("SEMIF_HOST", "0.0.0.0").strip() or "0.0.0.0",
@@ -162,6 +170,8 @@ class Settings:
             require_gpu=require_gpu,
             batch_deadline_s=_float(env, "SEMIF_BATCH_DEADLINE_S", 3300.0, minimum=0.001),
             batch_max_request_tokens=_int(env, "SEMIF_BATCH_MAX_REQUEST_TOKENS", 0, minimum=0),
+            batching=batching,
+            n_seq=n_seq,
         )
 
 

@@ -74,6 +74,7 @@ class ScoreResult:
     evaluated_tokens: int  # tokens run through the model (a re-evaluated token counts each time)
     compute_ms: float
     state_cached_tokens: int = 0  # of the state prefix, tokens reused from earlier requests
+    batch_requests: int = 1  # requests that shared a decode with this one, itself included (batching.py)
 
 
 def softmax(logits: Sequence[float]) -> list[float]:
@@ -160,6 +161,7 @@ class Engine:
         default_scoring: str = "label",
         model_sha256: Optional[str] = None,
         verbose: bool = False,
+        n_seq: int = 1,
     ):
         import llama_cpp  # imported here so the HTTP layer and tools import without a compiled library
 
@@ -187,6 +189,13 @@ class Engine:
             logits_all=False,
             verbose=verbose,
         )
+        # Opt-in parallel sequences (SEMIF_BATCHING): the serial path below only ever uses sequence 0.
+        from .batching import BatchStats, enable_parallel_sequences
+
+        if n_seq > 1:
+            enable_parallel_sequences(self.llm, n_seq, verbose=verbose)
+        self.n_seq = n_seq
+        self.batch_stats = BatchStats()
         self.load_s = time.perf_counter() - started
         self.n_ctx = self.llm.n_ctx()
         self.n_batch = n_batch
