@@ -51,7 +51,7 @@ def batched(model_path):
 
     from semif.serving.engine import Engine
 
-    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False, n_seq=N_SEQ)
+    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=1, label_memo=False, n_seq=N_SEQ)
     yield eng
     eng.close()
 
