@@ -276,3 +276,33 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_503_under_batching(sta
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"]["code"] == "overloaded"
     assert any(line.get("reason") == "queue_timeout" for line in _requests_logged(server))
+
+
+# ---- the GPU run's model, checked here on the CPU -------------------------------------------------
+
+
+def test_the_random_weight_gguf_of_the_device_script_loads_and_answers_batched(tmp_path, model_path):
+    """tools/gpu/run_device_bench.sh cannot carry a real model; it builds a random-weight one from the
+    embedded model's tokenizer. Its smallest shape must load, pick labels and answer on both paths."""
+    import subprocess
+    import sys
+
+    from semif.serving.engine import Engine
+
+    from serving import REPO
+
+    tool = REPO / "tools" / "gpu" / "random_gguf.py"
+    tokenizer, model = tmp_path / "tokenizer.json.gz", tmp_path / "random.gguf"
+    subprocess.run([sys.executable, str(tool), "tokenizer", "--from", str(model_path), "--out", str(tokenizer)], check=True)
+    subprocess.run([sys.executable, str(tool), "model", "--tokenizer", str(tokenizer), "--preset", "tiny",
+                    "--n-ctx", "1024", "--out", str(model)], check=True)
+    eng = Engine(model, n_ctx=1024, n_threads=1, label_memo=False, n_seq=2)
+    try:
+        assert eng.info["architecture"] == "llama" and len(eng.labels.letters.texts) >= 26
+        serial = eng.score(STATES[0], [ROUTE]).distributions[0].probabilities
+        eng.invalidate()
+        [batched] = execute_batch(eng, [eng.plan(STATES[0], [ROUTE])])
+        assert len(serial) == 3 and abs(sum(serial) - 1) < 1e-9
+        assert np.max(np.abs(np.subtract(batched.distributions[0].probabilities, serial))) <= DRIFT
+    finally:
+        eng.close()

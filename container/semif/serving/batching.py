@@ -201,15 +201,23 @@ def _run_wave(engine, wave: list[_Item], accounts: dict) -> None:
             item.seq = seq
             seq += 1
     engine._rewind(matches[first])  # may empty the context (then nothing is reused)
-    reused_first = engine._cached_len
-
-    # 1. Every prefix not already held, all in one batch (split at n_batch), each on its home sequence.
-    entries: list[tuple[int, int, int, Optional[int]]] = []  # (token, position, sequence, wave index or None)
+    held = len(engine._segments)
+    # Leading segments the context still holds (the template head, at least, once warm) are shared with
+    # every other prefix that starts with them: their cells get the other home sequence too, before
+    # sequence 0 grows. Without this each extra state would re-evaluate the template head.
     starts: dict[int, int] = {}
+    for g in order:
+        shared = min(matches[g], held)
+        starts[g] = sum(len(segment) for segment in keys[g][:shared])
+        home = groups[keys[g]][0].seq
+        if g != first and starts[g] > 0:
+            lc.llama_memory_seq_cp(memory, 0, home, 0, starts[g])
+
+    # 1. Every prefix's remaining tokens, all in one batch (split at n_batch), each on its home sequence.
+    entries: list[tuple[int, int, int, Optional[int]]] = []  # (token, position, sequence, wave index or None)
     for g in order:
         tokens = [t for segment in keys[g] for t in segment]
         home = groups[keys[g]][0].seq
-        starts[g] = reused_first if g == first else 0
         entries += [(tokens[p], p, home, None) for p in range(starts[g], len(tokens))]
     _decode_entries(engine, entries, {})
     # 2. The prefix to the other questions' sequences: in a unified KV buffer the cells are shared.
