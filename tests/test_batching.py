@@ -204,21 +204,27 @@ def _body(i: int) -> dict:
     return {"decision": {"id": f"d{i}", "state": f"Ticket {i}: {STATES[i % len(STATES)]}", "question": "Which queue?", "options": OPTIONS}}
 
 
-def _serial_probabilities(engine, bodies) -> list[list[float]]:
-    route = Question("Which queue?", tuple(Outcome(o["id"]) for o in OPTIONS))
-    return [_serial(engine, b["decision"]["state"], [route]).distributions[0].probabilities for b in bodies]
+def _serial_probabilities(client, engine, bodies) -> list[list[float]]:
+    """The serial answers, through the same contract, from the in-process app on the session's serial engine."""
+    answers = []
+    for body in bodies:
+        engine.invalidate()
+        response = client.post("/invocations", json=body)
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["probabilities"])
+    return answers
 
 
 def _requests_logged(server) -> list[dict]:
     return [line for line in server.log_lines() if line.get("message") == "request"]
 
 
-def test_queued_requests_share_a_decode_and_answer_within_drift_of_serial(start_serve, engine):
+def test_queued_requests_share_a_decode_and_answer_within_drift_of_serial(start_serve, client, engine):
     server = start_serve(SEMIF_BATCHING=1, SEMIF_N_SEQ=N_SEQ, SEMIF_N_THREADS=1, SEMIF_MAX_QUEUE=32)
     loaded = [line for line in server.log_lines() if line.get("message") == "model loaded"]
     assert loaded[0]["n_seq"] == N_SEQ
-    bodies = [_body(i) for i in range(12)]
-    serial = _serial_probabilities(engine, bodies)
+    bodies = [_body(i) for i in range(8)]
+    serial = _serial_probabilities(client, engine, bodies)
 
     def call(i):
         with httpx.Client(timeout=300) as http:
@@ -236,10 +242,10 @@ def test_queued_requests_share_a_decode_and_answer_within_drift_of_serial(start_
     assert max(shared) > 1, f"8 concurrent clients never shared a decode: {shared}"
 
 
-def test_full_queue_still_answers_503_with_retry_after_under_batching(start_serve, engine):
+def test_full_queue_still_answers_503_with_retry_after_under_batching(start_serve, client, engine):
     server = start_serve(SEMIF_BATCHING=1, SEMIF_N_SEQ=2, SEMIF_N_THREADS=1, SEMIF_MAX_QUEUE=1, SEMIF_RETRY_AFTER_S=2)
     bodies = [_body(i) for i in range(4)]
-    serial = _serial_probabilities(engine, bodies)
+    serial = _serial_probabilities(client, engine, bodies)
 
     def call(i):
         with httpx.Client(timeout=300) as http:
