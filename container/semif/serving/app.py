@@ -218,6 +218,20 @@ class DecisionService:
         self.postprocessors.append(self.decision_postprocessor)
         # A body that has not fully arrived by then gets 408 (slow-loris clients hold no slot forever).
         self.body_timeout_s = BODY_TIMEOUT_S
+        # SEMIF_BATCHING: waiting decision requests are decoded together (batching.py), under the same
+        # admission limits. Off (the default), every request runs alone: answers never depend on traffic.
+        self.batcher = None
+        if settings.batching and getattr(engine, "n_seq", 1) > 1:
+            from .batching import BatchCollector
+
+            self.batcher = BatchCollector(self.admission, engine, n_seq=engine.n_seq)
+
+    async def run_plan(self, plan, cancel: Callable[[], bool]):
+        """Execute a finished plan under admission control: alone (default) or batched with other waiting requests."""
+        if self.batcher is not None:
+            return await self.batcher.run(plan, cancel)
+        engine = self.engine
+        return await self.admission.run(lambda: engine.execute(plan, cancel=cancel))
 
     def prompt_options(self, job: Job) -> dict:
         """Layout and injection check for one request: what it asked, else the server's defaults
@@ -300,7 +314,7 @@ class DecisionService:
 
             watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
             try:
-                result, admitted = await self.admission.run(lambda: engine.execute(plan, cancel=cancel))
+                result, admitted = await self.run_plan(plan, cancel)
             except Cancelled as stopped:
                 fields["questions_done"] = stopped.done
                 if gone.is_set():
@@ -331,6 +345,8 @@ class DecisionService:
                 questions=len(job.questions), scoring=result.distributions[0].scoring if result.distributions else None,
                 margin=_min_margin(result), label_mass=min_label_mass(result), debias=plan.debias,
             )
+            if self.batcher is not None:
+                fields["batch_requests"] = getattr(result, "batch_requests", 1)
             fields.update(policy_log_fields(result))
             if result.injection_suspected is not None:
                 fields["injection_suspected"] = round(result.injection_suspected, 6)
@@ -404,7 +420,7 @@ class DecisionService:
                                    f"may use {over.budget} (SEMIF_BATCH_MAX_REQUEST_TOKENS)", over.field,
                                    {"tokens": over.tokens, "budget": over.budget}) from None
             try:
-                result, admitted = await self.admission.run(lambda: engine.execute(plan, cancel=cancel))
+                result, admitted = await self.run_plan(plan, cancel)
             except Cancelled as stopped:
                 fields["questions_done"] = stopped.done
                 raise RequestError(

@@ -118,6 +118,10 @@ class Settings:
     injection_check: bool = False
     # Order debiasing by default (a request's `debias` overrides it): see docs/adapter.md, "Option order".
     debias: str = "none"
+    # Several sequences per decode (semif/serving/batching.py): off by default, so that an answer never
+    # depends on the batch it was computed in. n_seq is read only when batching is on.
+    batching: bool = False
+    n_seq: int = 4
 
     @property
     def served_model_name(self) -> str:
@@ -148,6 +152,10 @@ class Settings:
         max_options = _int(env, "SEMIF_MAX_OPTIONS", 255, minimum=2)
         if max_options > 255:
             raise SettingsError(f"SEMIF_MAX_OPTIONS={max_options} must be <= 255")
+        batching = _bool(env, "SEMIF_BATCHING", False)
+        n_seq = _int(env, "SEMIF_N_SEQ", 4, minimum=2) if batching else 4
+        if n_seq > 256:
+            raise SettingsError(f"SEMIF_N_SEQ={n_seq} must be <= 256 (llama.cpp's most parallel sequences)")
         return cls(
             model_path=model_path,
             host=env.get("SEMIF_HOST", "0.0.0.0").strip() or "0.0.0.0",
@@ -180,6 +188,8 @@ class Settings:
             layout=layout,
             injection_check=_bool(env, "SEMIF_INJECTION_CHECK", False),
             debias=debias,
+            batching=batching,
+            n_seq=n_seq,
         )
 
 

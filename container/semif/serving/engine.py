@@ -92,6 +92,7 @@ class ScoreResult:
     template_version: str = TEMPLATE_VERSION  # what the plan ran: names the layout (e.g. "+options-first")
     layout: str = "state_first"
     injection_suspected: Optional[float] = None  # p(yes) of the injection check, when the plan had one
+    batch_requests: int = 1  # requests that shared a decode with this one, itself included (batching.py)
 
 
 def softmax(logits: Sequence[float]) -> list[float]:
@@ -201,6 +202,7 @@ class Engine:
         default_scoring: str = "label",
         model_sha256: Optional[str] = None,
         verbose: bool = False,
+        n_seq: int = 1,
     ):
         import llama_cpp  # imported here so the HTTP layer and tools import without a compiled library
 
@@ -228,6 +230,13 @@ class Engine:
             logits_all=False,
             verbose=verbose,
         )
+        # Opt-in parallel sequences (SEMIF_BATCHING): the serial path below only ever uses sequence 0.
+        from .batching import BatchStats, enable_parallel_sequences
+
+        if n_seq > 1:
+            enable_parallel_sequences(self.llm, n_seq, verbose=verbose)
+        self.n_seq = n_seq
+        self.batch_stats = BatchStats()
         self.load_s = time.perf_counter() - started
         self.n_ctx = self.llm.n_ctx()
         self.n_batch = n_batch

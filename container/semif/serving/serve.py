@@ -42,6 +42,7 @@ def build_app(settings: Settings):
         label_memo=settings.label_memo,
         default_scoring=settings.scoring,
         model_sha256=digest,
+        n_seq=settings.n_seq if settings.batching else 1,
     )
     engine.default_debias = settings.debias  # the server default; requests may override it (`debias`)
     if settings.require_gpu and not (engine.info["gpu_offload"] and engine.n_gpu_layers != 0):
@@ -60,6 +61,7 @@ def build_app(settings: Settings):
             "labels": len(engine.labels.letters.texts),
             "partial_rewind": engine.partial_rewind,
             "n_ctx": engine.n_ctx,
+            "n_seq": engine.n_seq,
             "startup_s": round(time.perf_counter() - started, 3),
             "image_digest": settings.image_digest,
             "semif_version": __version__,

@@ -1,0 +1,458 @@
+"""Several sequences per decode (opt-in: SEMIF_BATCHING=1, SEMIF_N_SEQ=N; docs/configuration.md).
+
+The default engine path is serial and batch-invariant: every question is decoded alone, so an answer
+never depends on other questions or other clients. This module is the other path, for throughput:
+
+- ``enable_parallel_sequences`` gives the engine's llama.cpp context ``n_seq_max = N`` sequences in one
+  unified KV buffer (so a prefix copied to another sequence is shared, not duplicated, and each
+  sequence may use the whole context);
+- ``execute_batch`` runs the label-scored questions of one or more plans together: each distinct state
+  prefix is evaluated once (all of them in one batch), copied to the sequences of its other questions
+  with ``llama_memory_seq_cp``, and every question's suffix goes into one ``llama_batch`` with its own
+  sequence id and positions; each question's answer is read from its last position's logits;
+- ``BatchCollector`` sits beside the HTTP layer's ``Admission``: it takes the requests waiting for the
+  model (up to N questions' worth) and hands them to ``execute_batch`` in one go, under the same lock,
+  queue limit, queue timeout and draining rules, so 503s are unchanged.
+
+Batch shape changes the kernels' float accumulation, so batched answers drift from serial ones
+(measured in docs/benchmarks.md, "Several sequences per decode"), and with the collector one client's
+answer depends on which other requests shared its decode. Plans the batched path cannot run (sequence
+scoring, models that cannot rewind a sequence partially) go through the serial ``Engine.execute``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .admission import Admission, Admitted, Overloaded
+from .plan import EngineError, PromptPlan, QuestionPlan
+
+MAX_N_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ; llama_max_parallel_sequences() says it at run time
+
+
+def enable_parallel_sequences(llm, n_seq: int, *, verbose: bool = False) -> None:
+    """Replace ``llm``'s llama.cpp context by one with ``n_seq`` sequences in a unified KV buffer.
+
+    llama-cpp-python 0.3.36's ``Llama(...)`` has no ``n_seq_max`` argument (it sets one only for
+    embeddings), so the context it made is freed and a new one is created from the same parameters
+    with ``n_seq_max`` and ``kv_unified`` set. The new context frees itself before the model, like
+    the one it replaces. Without ``kv_unified`` llama.cpp would split the context into ``n_seq``
+    streams of ``n_ctx / n_seq`` cells each, and a copied prefix would be copied, not shared."""
+    import llama_cpp
+    from llama_cpp._internals import LlamaContext
+
+    limit = int(llama_cpp.llama_max_parallel_sequences())
+    if not 1 < n_seq <= limit:
+        raise ValueError(f"n_seq={n_seq} must be between 2 and {limit} (llama_max_parallel_sequences)")
+    params = llm.context_params
+    params.n_seq_max = n_seq
+    params.kv_unified = True
+    llm._ctx.close()  # free the old KV buffer first: the two never coexist in memory
+    llm._ctx = LlamaContext(model=llm._model, params=params, verbose=verbose)
+
+
+# ---- one batched execution on the model thread ------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    """One question of one plan, waiting for a sequence."""
+
+    plan: int
+    index: int
+    qplan: QuestionPlan
+    suffix: list[int]
+    seq: int = -1
+
+
+@dataclass
+class _Account:
+    """What one plan has received so far."""
+
+    plan: PromptPlan
+    cancel: Optional[Callable[[], bool]]
+    distributions: list = field(default_factory=list)
+    evaluated: int = 0
+    state_cached: Optional[int] = None
+    done: int = 0
+    error: Optional[BaseException] = None
+    shared_with: set = field(default_factory=set)  # other plans that shared one of its decodes
+
+
+@dataclass
+class BatchStats:
+    """Counters for tests, logs and benchmarks."""
+
+    batches: int = 0  # execute_batch calls
+    waves: int = 0  # groups of questions decoded together (at most n_seq questions each)
+    shared_waves: int = 0  # waves that held questions of more than one plan (request)
+    requests: int = 0  # plans that went through execute_batch
+    serial_fallbacks: int = 0  # plans execute_batch handed to the serial path
+
+
+def batchable(engine, plan: PromptPlan) -> bool:
+    """Label scoring on a context with several sequences and partial rewinds (recurrent and hybrid
+    models cannot drop a sequence's tail, so they keep the serial path)."""
+    return (
+        getattr(engine, "n_seq", 1) > 1
+        and engine.partial_rewind
+        and plan.scoring == "label"
+        and len(plan.questions) > 0
+        and all(len(q.suffix_tokens) > 0 for q in plan.questions)
+        # Order debiasing, the injection check and native temperatures take the serial path: a batched
+        # step reads one label row per question from one shared prefix.
+        and plan.injection_check is None
+        and all(q.reversed is None and q.temperature is None and q.own_prefix_segments is None for q in plan.questions)
+    )
+
+
+def execute_batch(engine, plans: Sequence[PromptPlan], cancels: Optional[Sequence[Optional[Callable[[], bool]]]] = None) -> list[Any]:
+    """Run ``plans`` together; return, per plan, its ``ScoreResult`` or the exception it ended with
+    (``Cancelled`` when its cancel hook said stop between two waves). An engine failure empties the
+    context (as ``Engine.execute`` does) and is returned for every plan still running."""
+    from .engine import Cancelled
+
+    stats: BatchStats = engine.batch_stats
+    stats.batches += 1
+    started = time.perf_counter()
+    cancels = list(cancels) if cancels is not None else [None] * len(plans)
+    outcomes: list[Any] = [None] * len(plans)
+    serial = [i for i, plan in enumerate(plans) if not batchable(engine, plan)]
+    accounts = {i: _Account(plan, cancels[i], [None] * len(plan.questions)) for i, plan in enumerate(plans) if i not in serial}
+    stats.requests += len(plans)
+    queue = collections.deque(
+        _Item(i, q, qplan, list(qplan.suffix_tokens)) for i, acc in accounts.items() for q, qplan in enumerate(acc.plan.questions)
+    )
+    with engine.lock:
+        try:
+            if not engine.prefix_cache:
+                engine.invalidate()
+            while queue:
+                wave = _take_wave(engine, queue, accounts, Cancelled)
+                if wave:
+                    _run_wave(engine, wave, accounts)
+        except BaseException as exc:
+            engine.invalidate()
+            for acc in accounts.values():
+                acc.error = acc.error or exc
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    for i, acc in accounts.items():
+        outcomes[i] = acc.error if acc.error is not None else _result(acc, elapsed_ms)
+    for i in serial:  # exact serial path, after the batch (it takes the engine lock itself)
+        stats.serial_fallbacks += 1
+        try:
+            outcomes[i] = engine.execute(plans[i], cancel=cancels[i])
+        except Exception as exc:
+            outcomes[i] = exc
+    return outcomes
+
+
+def _take_wave(engine, queue: "collections.deque[_Item]", accounts: dict, cancelled_error) -> list[_Item]:
+    """Up to ``n_seq`` questions from the front of the queue whose KV cells fit the context together:
+    each distinct prefix once, plus every suffix. A plan whose cancel hook says stop leaves the queue."""
+    wave: list[_Item] = []
+    prefixes: set = set()
+    cells = 0
+    asked: set[int] = set()
+    while queue and len(wave) < engine.n_seq:
+        item = queue[0]
+        acc = accounts[item.plan]
+        if acc.error is not None:
+            queue.popleft()
+            continue
+        if item.plan not in asked:
+            asked.add(item.plan)
+            if acc.cancel is not None and acc.cancel():
+                acc.error = cancelled_error(acc.done, len(acc.plan.questions))
+                continue
+        key = acc.plan.prefix_segments
+        need = len(item.suffix) + (0 if key in prefixes else acc.plan.state_tokens)
+        if wave and cells + need > engine.n_ctx:
+            break
+        cells += need
+        prefixes.add(key)
+        wave.append(queue.popleft())
+    return wave
+
+
+def _leading_match(held: list[tuple[int, ...]], wanted: Sequence[Sequence[int]]) -> int:
+    keep = 0
+    while keep < min(len(held), len(wanted)) and held[keep] == tuple(wanted[keep]):
+        keep += 1
+    return keep
+
+
+def _run_wave(engine, wave: list[_Item], accounts: dict) -> None:
+    lc, memory = engine._lc, engine._memory
+    wave_started = time.perf_counter()
+    groups: dict[tuple, list[_Item]] = {}
+    for item in wave:
+        groups.setdefault(accounts[item.plan].plan.prefix_segments, []).append(item)
+    keys = list(groups)
+    # Sequence 0 holds what the context kept from before: the prefix that matches most of it goes there.
+    matches = [_leading_match(engine._segments, key) for key in keys]
+    first = max(range(len(keys)), key=lambda g: (matches[g], -g))
+    order = [first] + [g for g in range(len(keys)) if g != first]
+    seq = 0
+    for g in order:
+        for item in groups[keys[g]]:
+            item.seq = seq
+            seq += 1
+    engine._rewind(matches[first])  # may empty the context (then nothing is reused)
+    held = len(engine._segments)
+    # Leading segments the context still holds (the template head, at least, once warm) are shared with
+    # every other prefix that starts with them: their cells get the other home sequence too, before
+    # sequence 0 grows. Without this each extra state would re-evaluate the template head.
+    starts: dict[int, int] = {}
+    for g in order:
+        shared = min(matches[g], held)
+        starts[g] = sum(len(segment) for segment in keys[g][:shared])
+        home = groups[keys[g]][0].seq
+        if g != first and starts[g] > 0:
+            lc.llama_memory_seq_cp(memory, 0, home, 0, starts[g])
+
+    # 1. Every prefix's remaining tokens, all in one batch (split at n_batch), each on its home sequence.
+    entries: list[tuple[int, int, int, Optional[int]]] = []  # (token, position, sequence, wave index or None)
+    for g in order:
+        tokens = [t for segment in keys[g] for t in segment]
+        home = groups[keys[g]][0].seq
+        entries += [(tokens[p], p, home, None) for p in range(starts[g], len(tokens))]
+    _decode_entries(engine, entries, {})
+    # 2. The prefix to the other questions' sequences: in a unified KV buffer the cells are shared.
+    for g in order:
+        home, *others = groups[keys[g]]
+        for item in others:
+            lc.llama_memory_seq_cp(memory, home.seq, item.seq, -1, -1)
+    # 3. Every suffix in one batch, logits at each question's last position.
+    entries, wanted = [], {}
+    for n, item in enumerate(wave):
+        plen = accounts[item.plan].plan.state_tokens
+        last = len(item.suffix) - 1
+        entries += [(t, plen + j, item.seq, n if j == last else None) for j, t in enumerate(item.suffix)]
+        ids = item.qplan.label_token_ids or ()
+        wanted[n] = [list(v) for v in (item.qplan.label_variants or [(t,) for t in ids])]
+    logits = _decode_entries(engine, entries, wanted)
+    wave_ms = (time.perf_counter() - wave_started) * 1000
+
+    # 4. Book the answers.
+    from .engine import Distribution, softmax
+
+    plans_in_wave = {item.plan for item in wave}
+    for g in order:
+        items = groups[keys[g]]
+        plen = accounts[items[0].plan].plan.state_tokens
+        for k, item in enumerate(items):
+            acc = accounts[item.plan]
+            cached = starts[g] if k == 0 else plen
+            evaluated = (plen - starts[g] if k == 0 else 0) + len(item.suffix)
+            n = wave.index(item)
+            label_logits, label_mass = logits[n]
+            acc.distributions[item.index] = Distribution(
+                option_logits=label_logits, probabilities=softmax(label_logits), tokens=plen + len(item.suffix),
+                cached_tokens=cached, evaluated_tokens=evaluated, scoring="label",
+                label_token_ids=list(item.qplan.label_token_ids or ()), labels=list(item.qplan.labels or ()),
+                label_mass=label_mass, label_variant_ids=wanted[n],
+                prompt_text=(acc.plan.prefix_text + item.qplan.text) if acc.plan.return_prompt else None,
+                compute_ms=wave_ms,
+            )
+            acc.evaluated += evaluated
+            acc.done += 1
+            acc.state_cached = cached if acc.state_cached is None else min(acc.state_cached, cached)
+            acc.shared_with |= plans_in_wave - {item.plan}
+    stats = engine.batch_stats
+    stats.waves += 1
+    stats.shared_waves += len(plans_in_wave) > 1
+
+    # 5. Keep one prefix in sequence 0 (the last question's: its plan may continue in the next wave,
+    #    and the next request may share its state) and empty every other sequence.
+    last = wave[-1]
+    key = accounts[last.plan].plan.prefix_segments
+    plen = accounts[last.plan].plan.state_tokens
+    lc.llama_memory_seq_rm(memory, last.seq, plen, -1)
+    if last.seq != 0:
+        lc.llama_memory_seq_rm(memory, 0, -1, -1)
+        lc.llama_memory_seq_cp(memory, last.seq, 0, -1, -1)
+    else:
+        lc.llama_memory_seq_rm(memory, 0, plen, -1)
+    for s in range(1, len(wave)):
+        lc.llama_memory_seq_rm(memory, s, -1, -1)
+    engine._segments = [tuple(segment) for segment in key]
+
+
+def _decode_entries(engine, entries: list, wanted: dict[int, list[list[int]]]) -> dict[int, tuple[list[float], float]]:
+    """Decode (token, position, sequence, tag) entries in order, ``n_batch`` at a time; return the
+    label logits and label mass (``wanted[tag]``: each label's token variants) at each tagged entry."""
+    from .engine import _label_logits
+
+    lc, batch, ctx = engine._lc, engine._batch, engine._ctx
+    out: dict[int, list[float]] = {}
+    for offset in range(0, len(entries), engine.n_batch):
+        chunk = entries[offset : offset + engine.n_batch]
+        batch.n_tokens = len(chunk)
+        for i, (token, pos, seq, tag) in enumerate(chunk):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = tag is not None
+        status = lc.llama_decode(ctx, batch)
+        if status != 0:
+            raise EngineError(f"llama_decode failed with status {status} (batched, {len(chunk)} tokens)")
+        for i, (_, _, _, tag) in enumerate(chunk):
+            if tag is not None:
+                row = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(engine.n_vocab,))
+                out[tag] = _label_logits(row, wanted[tag])
+    return out
+
+
+def _result(acc: _Account, elapsed_ms: float):
+    from .engine import ScoreResult
+
+    state_cached = acc.state_cached or 0
+    result = ScoreResult(
+        distributions=acc.distributions, state_tokens=acc.plan.state_tokens, input_tokens=acc.plan.input_tokens,
+        cached_tokens=state_cached, evaluated_tokens=acc.evaluated, compute_ms=elapsed_ms,
+        state_cached_tokens=state_cached, template_version=acc.plan.template_version, layout=acc.plan.layout,
+    )
+    result.batch_requests = 1 + len(acc.shared_with)
+    return result
+
+
+# ---- the collector beside admission control ----------------------------------------------------------
+
+
+@dataclass
+class _Waiting:
+    plan: PromptPlan
+    cancel: Optional[Callable[[], bool]]
+    future: asyncio.Future
+    arrived: float
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    queue_ms: float = 0.0
+
+
+class BatchCollector:
+    """Runs decision plans through ``execute_batch``, several waiting requests at a time.
+
+    Admission is the serial one's, on the same ``Admission`` object (its lock keeps chat generation
+    and other serial work off the context meanwhile): a request waits while the model is busy; when
+    ``max_queue`` requests already wait it gets 503 ``queue_full`` at once; after ``queue_timeout_s``
+    of waiting, 503 ``queue_timeout``; while draining, 503 ``shutting_down``. A request being computed
+    no longer waits, as in the serial path. When the model comes free, the collector takes the waiting
+    requests in arrival order while their questions fit ``n_seq`` sequences (always at least one) and
+    decodes them together. It adds no delay: a lone request on an idle server starts at once."""
+
+    def __init__(self, admission: Admission, engine, *, n_seq: int):
+        self.admission = admission
+        self.engine = engine
+        self.n_seq = n_seq
+        self._pending: "collections.deque[_Waiting]" = collections.deque()
+        self._wakeup: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+
+    async def run(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]] = None) -> tuple[Any, Admitted]:
+        adm = self.admission
+        if adm.draining:
+            adm.rejected += 1
+            raise Overloaded("shutting_down", "the server is shutting down; retry on another instance")
+        # As in Admission.run: a request that finds the model free (and nobody waiting) does not queue.
+        if (adm._lock.locked() or self._pending) and adm._waiting >= adm.max_queue:
+            adm.rejected += 1
+            raise Overloaded("queue_full", f"{adm._waiting} requests are already waiting for the model")
+        loop = asyncio.get_running_loop()
+        entry = _Waiting(plan, cancel, loop.create_future(), time.perf_counter())
+        self._pending.append(entry)
+        adm._waiting += 1
+        self._start(loop)
+        try:
+            await asyncio.wait_for(entry.started.wait(), timeout=adm.queue_timeout_s)
+        except asyncio.TimeoutError:
+            if not entry.started.is_set():
+                self._forget(entry)
+                adm.rejected += 1
+                raise Overloaded("queue_timeout", f"waited {adm.queue_timeout_s:g} s for the model") from None
+        except asyncio.CancelledError:
+            if not entry.started.is_set():
+                self._forget(entry)
+            raise
+        # shield: a client that goes away does not stop the batch its request is part of
+        outcome, admitted = await asyncio.shield(entry.future)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome, admitted
+
+    def _forget(self, entry: _Waiting) -> None:
+        try:
+            self._pending.remove(entry)
+            self.admission._waiting -= 1
+        except ValueError:
+            pass
+
+    def _start(self, loop) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        self._wakeup.set()
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._loop())
+
+    def _take(self) -> list[_Waiting]:
+        taken: list[_Waiting] = []
+        questions = 0
+        while self._pending:
+            n = max(1, len(self._pending[0].plan.questions))
+            if taken and questions + n > self.n_seq:
+                break
+            taken.append(self._pending.popleft())
+            questions += n
+        return taken
+
+    async def _loop(self) -> None:
+        adm = self.admission
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await adm._lock.acquire()
+            try:
+                taken = self._take()
+                if taken:
+                    await self._run(taken)
+            finally:
+                adm._lock.release()
+
+    async def _run(self, taken: list[_Waiting]) -> None:
+        adm = self.admission
+        now = time.perf_counter()
+        adm._waiting -= len(taken)
+        for entry in taken:
+            entry.queue_ms = (now - entry.arrived) * 1000
+            entry.started.set()
+        adm._running += 1
+        try:
+            work = asyncio.get_running_loop().run_in_executor(
+                adm._executor, execute_batch, self.engine, [e.plan for e in taken], [e.cancel for e in taken]
+            )
+            try:
+                outcomes = await asyncio.shield(work)
+            except asyncio.CancelledError:  # the event loop is closing: wait for the thread, then stop
+                await asyncio.wait([work])
+                for entry in taken:
+                    if not entry.future.done():
+                        entry.future.cancel()
+                raise
+            except Exception as exc:  # the batch as a whole failed: every request in it hears why
+                outcomes = [exc] * len(taken)
+            compute_ms = (time.perf_counter() - now) * 1000
+            for entry, outcome in zip(taken, outcomes):
+                if not entry.future.done():
+                    entry.future.set_result((outcome, Admitted(queue_ms=entry.queue_ms, compute_ms=compute_ms)))
+        finally:
+            adm._running -= 1

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Prepare, on this (CPU) machine, everything tools/gpu/run_device_bench.sh needs on the device machine
+# (one H200, Python 3.12, CUDA 13 libraries in its image, no package registry, 64 MiB carried):
+#
+#   .gpu-carry/wheels/llama_cpp_python-<v>-py3-none-linux_x86_64.whl   CUDA build for sm_90 only, stripped
+#   .gpu-carry/wheels/*.whl          the serving dependencies the device image lacks, for CPython 3.12
+#   .gpu-carry/tokenizer.json.gz     the embedded model's tokenizer, for a random-weight GGUF made there
+#
+# Usage (from the repository root, after `make setup`):   tools/gpu/build_cuda_wheel.sh
+# Then, with the device tool, from the checkout the session runs in:
+#   run(command="bash tools/gpu/run_device_bench.sh", carry=[".gpu-carry"], timeout_s=540)
+#
+# The CUDA compile of llama.cpp takes long on 2 cores (ggml-cuda's template instances): JOBS=N sets the
+# parallelism. It needs nvcc (13.x here) but no GPU. .gpu-carry is added to .git/info/exclude (never committed).
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+PY=${PY:-.venv/bin/python}
+CARRY=.gpu-carry
+LIMIT_MIB=${LIMIT_MIB:-60}  # of the tool's 64 MiB; the working tree travels too
+JOBS=${JOBS:-2}
+exclude="$(git rev-parse --git-path info/exclude)"
+mkdir -p "$(dirname "$exclude")" && touch "$exclude"
+grep -qxF "/$CARRY/" "$exclude" || echo "/$CARRY/" >>"$exclude"
+rm -rf "$CARRY" && mkdir -p "$CARRY/wheels" "$CARRY/build"
+
+pin() {  # the version this checkout's venv runs, so the device runs the same code
+  "$PY" -m pip freeze 2>/dev/null | grep -i "^$1==" | head -1
+}
+LLAMA=$(grep -o 'llama-cpp-python==[0-9.]*' container/pyproject.toml)
+
+echo ">> 1/4 building $LLAMA with CUDA for sm_90 (H100/H200) only"
+NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+CUDACXX="$NVCC" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+  "$PY" -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python "$LLAMA" -w "$CARRY/build"
+
+echo ">> 2/4 stripping symbols from its shared libraries"
+wheel=$(ls "$CARRY"/build/llama_cpp_python-*.whl)
+"$PY" -m wheel unpack "$wheel" -d "$CARRY/build/unpacked"
+find "$CARRY/build/unpacked" -name '*.so*' -type f -exec strip --strip-unneeded {} +
+"$PY" -m wheel pack "$CARRY"/build/unpacked/llama_cpp_python-* -d "$CARRY/wheels"
+rm -rf "$CARRY/build"
+
+echo ">> 3/4 serving dependencies for CPython 3.12 (the device image has numpy, jinja2, anyio, h11, click, httpx, pyyaml, tqdm, requests)"
+"$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$CARRY/wheels" $(pin starlette) $(pin uvicorn) $(pin pydantic) $(pin pydantic_core) $(pin annotated-types) \
+  $(pin typing-inspection) $(pin typing_extensions) $(pin diskcache) $(pin gguf)
+
+echo ">> 4/4 the embedded model's tokenizer (the 98 MB model itself does not fit the carry)"
+MODEL=$("$PY" -c "from semif.serving.config import embedded_model_path as e; print(e())")
+"$PY" tools/gpu/random_gguf.py tokenizer --from "$MODEL" --out "$CARRY/tokenizer.json.gz"
+
+size=$(du -sm "$CARRY" | cut -f1)
+ls -la "$CARRY" "$CARRY/wheels"
+echo ">> $CARRY: ${size} MiB (limit ${LIMIT_MIB})"
+if [ "$size" -gt "$LIMIT_MIB" ]; then
+  echo "!! over the carry budget: rebuild with fewer CUDA kernels (e.g. -DGGML_CUDA_FA=OFF, at a speed cost) or drop a wheel" >&2
+  exit 1
+fi
