@@ -40,6 +40,7 @@ def build_app(settings: Settings):
         n_gpu_layers=settings.n_gpu_layers,
         prefix_cache=settings.prefix_cache,
         label_memo=settings.label_memo,
+        prefix_cache_mb=settings.prefix_cache_mb,
         default_scoring=settings.scoring,
         model_sha256=digest,
     )
@@ -58,6 +59,7 @@ def build_app(settings: Settings):
             "manifest": manifest is not None,
             "labels": len(engine.labels.letters.texts),
             "partial_rewind": engine.partial_rewind,
+            "prefix_snapshot_limit_bytes": engine.prefix_snapshot_stats["limit_bytes"],
             "n_ctx": engine.n_ctx,
             "startup_s": round(time.perf_counter() - started, 3),
             "image_digest": settings.image_digest,
