@@ -374,7 +374,11 @@ class Engine:
 
     def invalidate(self) -> None:
         """Forget everything the context holds (after someone else used it, e.g. chat generation)."""
-        self._lc.llama_memory_clear(self._memory, True)
+        # Attention caches: metadata only. The cells are marked free and llama.cpp masks free cells out of
+        # attention (weight exactly 0; flash attention skips them), so what stays in the buffer never
+        # reaches a result; zeroing it would be a memset of the whole KV cache (~90 MB for SmolLM2 at 4096
+        # tokens) on every request with the prefix cache off. Recurrent states: cleared with their data.
+        self._lc.llama_memory_clear(self._memory, not self.partial_rewind)
         self._segments = []
         self._snapshot = None
         if not (self.prefix_cache and self.label_memo):
