@@ -187,6 +187,7 @@ class Engine:
         prefix_cache: bool = True,
         label_memo: bool = True,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        flash_attn: bool = False,
         default_scoring: str = "label",
         model_sha256: Optional[str] = None,
         verbose: bool = False,
@@ -214,6 +215,9 @@ class Engine:
             n_threads=n_threads,
             n_threads_batch=n_threads,
             n_gpu_layers=n_gpu_layers,
+            # llama-server's default is "auto" (on wherever the backend supports it, the CPU included);
+            # llama-cpp-python can only force it on or off. Off unless SEMIF_FLASH_ATTN says otherwise.
+            flash_attn=flash_attn,
             logits_all=False,
             verbose=verbose,
         )
@@ -529,7 +533,7 @@ class Engine:
         keep_tokens = sum(len(s) for s in segments[:keep])
         found: Optional[_PrefixSnapshot] = None
         n_tokens = keep_tokens
-        for m in range(keep + 1, limit + 1):  # deepest wins; a shallower match is a prefix of it
+        for m in range(keep + 1, limit + 1 if self._prefix_snapshots else 0):  # deepest wins
             n_tokens += len(segments[m - 1])
             if n_tokens - keep_tokens < PREFIX_SNAPSHOT_MIN_TOKENS:
                 continue

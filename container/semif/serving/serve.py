@@ -41,6 +41,7 @@ def build_app(settings: Settings):
         prefix_cache=settings.prefix_cache,
         label_memo=settings.label_memo,
         prefix_cache_mb=settings.prefix_cache_mb,
+        flash_attn=settings.flash_attn,
         default_scoring=settings.scoring,
         model_sha256=digest,
     )
