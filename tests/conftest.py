@@ -19,10 +19,13 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def engine(model_path):
     """The session's engine, label memo off: every answer a test compares is computed, never recalled.
-    Tests of the memo itself switch it on for their duration (`memo_on`) and say "memo" in their name."""
+    Tests of the memo itself switch it on for their duration (`memo_on`) and say "memo" in their name.
+    Prefix snapshots are off too, so that what a test finds cached depends on that test alone; tests of
+    the snapshots switch them on (`snapshots_on`)."""
     from semif.serving.engine import Engine
 
-    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False)
+    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
+                 prefix_cache_mb=0)
     yield eng
     eng.close()
 
@@ -37,6 +40,18 @@ def memo_on(engine):
     finally:
         engine.label_memo = False
         engine._label_memo.clear()
+
+
+@pytest.fixture
+def snapshots_on(engine):
+    """Prefix snapshots switched on (64 MiB) for one test, emptied before and after."""
+    engine.clear_prefix_snapshots()
+    engine.prefix_cache_bytes = 64 << 20
+    try:
+        yield engine
+    finally:
+        engine.prefix_cache_bytes = 0
+        engine.clear_prefix_snapshots()
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,7 @@ def server(tmp_path_factory, model_path):
         # one thread: llama.cpp's spinning thread pool degrades badly on a shared 2-core machine
         SEMIF_N_THREADS="1", SEMIF_QUEUE_TIMEOUT_S="600",
         SEMIF_LABEL_MEMO="0",  # decisions compared across chat turns are computed, never recalled
+        SEMIF_PREFIX_CACHE_MB="0",  # ... and evaluated again after chat, not restored from a prefix snapshot
     )
     proc = ServeProcess(env, port, tmp_path_factory.mktemp("chat") / "serve.log").wait_ready()
     yield proc

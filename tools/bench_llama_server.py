@@ -106,7 +106,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="timed passes over the cases (fresh states each pass)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--adapter-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an extra SEMIF_* setting for the adapter (repeatable), e.g. SEMIF_FLASH_ATTN=1")
     args = parser.parse_args()
+    extra_env = dict(item.split("=", 1) for item in args.adapter_env)
 
     sys.path.insert(0, str(REPO / "container"))
     from semif.serving.config import embedded_model_path
@@ -116,7 +119,8 @@ def main() -> int:
         raise SystemExit(f"no llama-server at {args.server}: run `make llama-server` first")
     model = args.model or embedded_model_path()
     cases = [json.loads(line) for line in args.cases.read_text().splitlines() if line.strip()]
-    adapter = BenchServer(model, SEMIF_N_THREADS=args.threads, SEMIF_N_CTX=N_CTX, SEMIF_N_BATCH=N_BATCH)
+    adapter = BenchServer(model, **{"SEMIF_N_THREADS": args.threads, "SEMIF_N_CTX": N_CTX, "SEMIF_N_BATCH": N_BATCH,
+                                    **extra_env})
     server = LlamaServer(args.server, model, args.threads, Path("/tmp") / f"llama-server-{os.getpid()}.log")
     times: dict[str, list[float]] = {"adapter": [], "server-chat": [], "server-completion": [], "server-probs": []}
     chat_ok = True
@@ -175,7 +179,8 @@ def main() -> int:
         adapter.close()
         server.close()
 
-    figures = {"model": model.name, "threads": args.threads, "cases": len(cases), "rounds": args.rounds}
+    figures = {"model": model.name, "threads": args.threads, "cases": len(cases), "rounds": args.rounds,
+               "adapter_env": extra_env}
     print(f"model {model.name}, {args.threads} threads, {len(cases)} cases x {args.rounds} rounds, cold single decisions")
     print(f"{'route':<20}{'p50 ms':>10}{'p95 ms':>10}{'adapter / route p50':>22}")
     adapter_p50 = pct(times["adapter"], 50)

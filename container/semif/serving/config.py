@@ -90,6 +90,8 @@ class Settings:
     scoring: str = "label"
     prefix_cache: bool = True
     label_memo: bool = True
+    prefix_cache_mb: float = 256.0  # RAM for KV snapshots of prefixes (engine.DEFAULT_PREFIX_CACHE_MB); 0 disables
+    flash_attn: bool = False
     max_queue: int = 8
     queue_timeout_s: float = 30.0
     read_timeout_s: float = 30.0
@@ -167,6 +169,8 @@ class Settings:
             scoring=scoring,
             prefix_cache=_bool(env, "SEMIF_PREFIX_CACHE", True),
             label_memo=_bool(env, "SEMIF_LABEL_MEMO", True),
+            prefix_cache_mb=_float(env, "SEMIF_PREFIX_CACHE_MB", 256.0, minimum=0.0),
+            flash_attn=_bool(env, "SEMIF_FLASH_ATTN", False),
             max_queue=_int(env, "SEMIF_MAX_QUEUE", 8, minimum=0),
             queue_timeout_s=_float(env, "SEMIF_QUEUE_TIMEOUT_S", 30.0, minimum=0.001),
             read_timeout_s=_float(env, "SEMIF_READ_TIMEOUT_S", 30.0, minimum=0.1),

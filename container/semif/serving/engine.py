@@ -7,6 +7,7 @@ computation at a time (the HTTP layer's admission control guarantees that).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import math
@@ -34,6 +35,12 @@ log = logging.getLogger("semif.engine")
 
 SEQ = 0  # the one sequence this context holds
 LABEL_MEMO_SIZE = 256  # identical prompts remembered (label logits only: a few floats each)
+TEMPLATE_TOKENS_CACHE_SIZE = 1024  # distinct template strings kept tokenized (see Engine._tokenize)
+DEFAULT_PREFIX_CACHE_MB = 256  # SEMIF_PREFIX_CACHE_MB: RAM for KV snapshots of prefixes (0: none)
+# A snapshot is restored only when it spares evaluating at least this many tokens: below that, the copy of
+# the whole prefix's KV (tens of KB per token) and the extra llama.cpp calls cost about what they save.
+PREFIX_SNAPSHOT_MIN_TOKENS = 32
+PREFIX_SEEN_SIZE = 4096  # prefix boundaries whose request count is remembered (a hash and a count each)
 
 
 class Cancelled(EngineError):
@@ -101,10 +108,23 @@ def softmax(logits: Sequence[float]) -> list[float]:
     return (values / values.sum()).tolist()
 
 
-def _log_softmax_rows(rows: np.ndarray) -> np.ndarray:
-    rows = rows.astype(np.float64)
-    peak = rows.max(axis=1, keepdims=True)
-    return rows - peak - np.log(np.exp(rows - peak).sum(axis=1, keepdims=True))
+def _answer_logprob(rows: np.ndarray, answer: Sequence[int]) -> float:
+    """Sum over i of log-softmax(rows[i])[answer[i]], computed for those entries only: a logsumexp per row
+    (exp in float32 on the raw logits, the sum accumulated in float64), not a float64 copy of every row's
+    full log-softmax. The float32 exponentials are within 1e-7 relative of float64 ones, far below any
+    difference between answers (logits come out of the model as float32)."""
+    peak = rows.max(axis=1)
+    sums = np.exp(rows - peak[:, None]).sum(axis=1, dtype=np.float64)
+    picked = rows[np.arange(len(answer)), np.asarray(answer, dtype=np.int64)].astype(np.float64)
+    return float(np.sum(picked - peak.astype(np.float64) - np.log(sums)))
+
+
+def _tokens_digest(parts: Sequence[Sequence[int]], digest=None):
+    digest = digest if digest is not None else hashlib.sha256()
+    for part in parts:
+        digest.update(np.asarray(part, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    return digest
 
 
 def _logsumexp(values: Sequence[float]) -> float:
@@ -122,11 +142,7 @@ def combine_orders(given: Sequence[float], reversed_: Sequence[float]) -> list[f
 
 
 def _tokens_key(prefix: Sequence[Sequence[int]], suffix: Sequence[int], label_ids: Sequence[int]) -> bytes:
-    digest = hashlib.sha256()
-    for part in (*prefix, suffix, label_ids):
-        digest.update(np.asarray(part, dtype=np.int64).tobytes())
-        digest.update(b"|")
-    return digest.digest()
+    return _tokens_digest((suffix, label_ids), _tokens_digest(prefix)).digest()
 
 
 def _label_logits(row: np.ndarray, variants: Sequence[Sequence[int]]) -> tuple[list[float], float]:
@@ -188,6 +204,19 @@ def _gpu_name() -> Optional[str]:
         return None
 
 
+@dataclass
+class _PrefixSnapshot:
+    """The KV of one sequence holding exactly ``segments`` (llama_state_seq_get_data's bytes)."""
+
+    segments: tuple[tuple[int, ...], ...]
+    n_tokens: int
+    data: np.ndarray  # uint8
+
+
+def _prefix_key(segments: Sequence[Sequence[int]]) -> int:
+    return hash(tuple(tuple(s) for s in segments))
+
+
 class Engine:
     def __init__(
         self,
@@ -199,6 +228,8 @@ class Engine:
         n_gpu_layers: int = -1,
         prefix_cache: bool = True,
         label_memo: bool = True,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        flash_attn: bool = False,
         default_scoring: str = "label",
         model_sha256: Optional[str] = None,
         verbose: bool = False,
@@ -227,6 +258,9 @@ class Engine:
             n_threads=n_threads,
             n_threads_batch=n_threads,
             n_gpu_layers=n_gpu_layers,
+            # llama-server's default is "auto" (on wherever the backend supports it, the CPU included);
+            # llama-cpp-python can only force it on or off. Off unless SEMIF_FLASH_ATTN says otherwise.
+            flash_attn=flash_attn,
             logits_all=False,
             verbose=verbose,
         )
@@ -243,6 +277,12 @@ class Engine:
         self.n_vocab = self.llm.n_vocab()
         self._ctx = self.llm._ctx.ctx
         self._model = self.llm._model.model
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        # Template text tokens by (text, add_bos); functools' cache is thread-safe (plans are built off the
+        # model thread). Bounded: label selection at load tokenizes some hundreds of cue + label strings.
+        self._template_tokens = functools.lru_cache(maxsize=TEMPLATE_TOKENS_CACHE_SIZE)(
+            lambda text, add_bos: tuple(self._tokenize_bytes(text.encode("utf-8"), add_bos, True))
+        )
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         # Recurrent and hybrid models cannot drop the tail of a sequence; they rewind by restoring a
         # per-sequence snapshot taken at the end of the state prefix, or else re-evaluate from scratch.
@@ -251,13 +291,24 @@ class Engine:
         )
         self.n_swa = int(llama_cpp.llama_model_n_swa(self._model))
         self.snapshot_restores = 0  # llama_state_seq_set_data calls that restored the state prefix
+        # More than one prefix stays warm: KV snapshots of prefixes in RAM, least recently used dropped
+        # first, at most prefix_cache_mb in all (see _use_prefix_snapshots).
+        self.prefix_cache_bytes = int(max(0.0, prefix_cache_mb) * (1 << 20))
+        self._prefix_snapshots: "OrderedDict[int, _PrefixSnapshot]" = OrderedDict()
+        self._prefix_snapshot_bytes = 0
+        self._prefix_seen: "OrderedDict[int, int]" = OrderedDict()  # prefix key -> requests that planned it
+        self.prefix_snapshots_taken = 0
+        self.prefix_restores = 0  # snapshots restored instead of evaluating their tokens
+        self.prefix_restored_tokens = 0
         self._decoded_from: Optional[int] = None  # lowest position decoded in the current request
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._batch_seq_ready = False  # n_seq_id / seq_id of every batch slot hold (1, SEQ): _fill_batch
         self._segments: list[tuple[int, ...]] = []  # what the context holds, in evaluation segments
         # Label logits of recently scored prompts, keyed by their exact tokens: an identical question
         # about an identical state is answered with the logits it already produced (exact by construction).
         self._label_memo: "OrderedDict[bytes, tuple[list[float], float]]" = OrderedDict()
         self.default_debias = "none"  # SEMIF_DEBIAS (serve sets it); a request's `debias` overrides it
+        self._memo_prefix: Optional[tuple[list, "hashlib._Hash"]] = None  # (prefix list, its digest): _memo_key
         self._snapshot: Optional[tuple[list[tuple[int, ...]], ctypes.Array]] = None
         self.lock = threading.Lock()  # defensive: callers already serialize
 
@@ -320,7 +371,28 @@ class Engine:
     def _tokenize(self, text: str, *, special: bool, add_bos: bool = False) -> list[int]:
         if not text:
             return []
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+        if special:
+            # Text that may hold special tokens is template text (client text never is): a few constant
+            # strings per template (head, tail), tokenized once each instead of once per question.
+            return list(self._template_tokens(text, add_bos))
+        return self._tokenize_bytes(text.encode("utf-8"), add_bos, False)
+
+    def _tokenize_bytes(self, data: bytes, add_bos: bool, special: bool, n_max: Optional[int] = None) -> list[int]:
+        """llama_tokenize into a buffer sized from the text. (llama-cpp-python's Llama.tokenize allocates
+        and zeroes n_ctx_train tokens per call: 32 KB for SmolLM2, 512 KB for Llama-3.1.) A token covers at
+        least one byte, so bytes + a few (BOS/EOS, a SentencePiece space prefix) is enough; llama.cpp
+        answers minus the size it needs when it is not, and the call is repeated with that size."""
+        lc = self._lc
+        n_max = len(data) + 4 if n_max is None else n_max
+        buf = (lc.llama_token * n_max)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, special)
+        if n < 0:
+            n_max = -n
+            buf = (lc.llama_token * n_max)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, special)
+            if n < 0:
+                raise EngineError(f"llama_tokenize failed ({n}) on {len(data)} bytes")
+        return np.frombuffer(buf, dtype=np.int32, count=n).tolist()
 
     def _end_of_turn_token(self) -> int:
         """The token that ends an answer under sequence scoring: with a chat template, the first
@@ -418,7 +490,11 @@ class Engine:
 
     def invalidate(self) -> None:
         """Forget everything the context holds (after someone else used it, e.g. chat generation)."""
-        self._lc.llama_memory_clear(self._memory, True)
+        # Attention caches: metadata only. The cells are marked free and llama.cpp masks free cells out of
+        # attention (weight exactly 0; flash attention skips them), so what stays in the buffer never
+        # reaches a result; zeroing it would be a memset of the whole KV cache (~90 MB for SmolLM2 at 4096
+        # tokens) on every request with the prefix cache off. Recurrent states: cleared with their data.
+        self._lc.llama_memory_clear(self._memory, not self.partial_rewind)
         self._segments = []
         self._snapshot = None
         if not (self.prefix_cache and self.label_memo):
@@ -450,6 +526,29 @@ class Engine:
         written = self._lc.llama_state_seq_get_data(self._ctx, buf, size, SEQ)
         self._snapshot = (list(self._segments), buf) if written else None
 
+    def _fill_batch(self, chunk: np.ndarray, first: int, want: set[int]) -> int:
+        """Put ``chunk`` (int32 tokens at positions first, first+1, …) into the batch, all in sequence SEQ,
+        logits at the positions in ``want``: whole-array copies, not a Python loop over tokens. The
+        per-token sequence ids live in arrays llama_batch_init allocates one by one; they are written
+        once, at the first fill (``_batch_seq_ready``: whoever writes other ids into this batch clears it)."""
+        batch, n = self._batch, len(chunk)
+        batch.n_tokens = n
+        positions = np.arange(first, first + n, dtype=np.int32)
+        flags = np.zeros(n, dtype=np.int8)
+        for pos in want:
+            if first <= pos < first + n:
+                flags[pos - first] = 1
+        ctypes.memmove(batch.token, chunk.ctypes.data, n * 4)
+        ctypes.memmove(batch.pos, positions.ctypes.data, n * 4)
+        ctypes.memmove(batch.logits, flags.ctypes.data, n)
+        if not self._batch_seq_ready:
+            ones = np.ones(self.n_batch, dtype=np.int32)  # a name, so it outlives the copy
+            ctypes.memmove(batch.n_seq_id, ones.ctypes.data, self.n_batch * 4)
+            for i in range(self.n_batch):
+                batch.seq_id[i][0] = SEQ
+            self._batch_seq_ready = True
+        return n
+
     def _decode(self, tokens: Sequence[int], want: set[int]) -> dict[int, np.ndarray]:
         """Append one segment to the context; return the logits rows at the absolute positions in ``want``."""
         lc, batch = self._lc, self._batch
@@ -457,25 +556,17 @@ class Engine:
         start = self._cached_len
         if self._decoded_from is None or start < self._decoded_from:
             self._decoded_from = start
-        for offset in range(0, len(tokens), self.n_batch):
-            chunk = tokens[offset : offset + self.n_batch]
-            batch.n_tokens = len(chunk)
-            for i, token in enumerate(chunk):
-                pos = start + offset + i
-                batch.token[i] = token
-                batch.pos[i] = pos
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = SEQ
-                batch.logits[i] = pos in want
+        all_tokens = np.asarray(tokens, dtype=np.int32)
+        for offset in range(0, len(all_tokens), self.n_batch):
+            first = start + offset
+            n = self._fill_batch(all_tokens[offset : offset + self.n_batch], first, want)
             status = lc.llama_decode(self._ctx, batch)
             if status != 0:
                 self.invalidate()
                 raise EngineError(f"llama_decode failed with status {status}")
-            for i in range(len(chunk)):
-                pos = start + offset + i
-                if pos in want:
-                    ptr = lc.llama_get_logits_ith(self._ctx, i)
-                    rows[pos] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+            for pos in sorted(p for p in want if first <= p < first + n):
+                ptr = lc.llama_get_logits_ith(self._ctx, pos - first)
+                rows[pos] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
         self._segments.append(tuple(tokens))
         return rows
 
@@ -489,6 +580,8 @@ class Engine:
         limit = len(segments) - 1  # the segment whose logits we need is always evaluated
         while keep < min(limit, len(self._segments)) and self._segments[keep] == tuple(segments[keep]):
             keep += 1
+        if self._prefix_snapshots_enabled:
+            keep = self._use_prefix_snapshots(segments, keep, limit)
         self._rewind(keep)
         keep = len(self._segments)
         reused = self._cached_len
@@ -497,6 +590,123 @@ class Engine:
         for segment in segments[keep:]:
             rows.update(self._decode(segment, want))
         return rows, reused, total - reused
+
+    # ---- prefix snapshots (more than one prefix warm) --------------------------------------------
+    #
+    # The context holds one prefix; requests that alternate between prefixes (two routing tasks, two busy
+    # states) would evict each other. So a prefix boundary that two requests have planned ("hot") is copied
+    # out of the context (llama_state_seq_get_data) when it is about to be dropped, and copied back
+    # (llama_state_seq_set_data) when a later request starts with it and that spares at least
+    # PREFIX_SNAPSHOT_MIN_TOKENS of evaluation. Exact by construction: a snapshot is taken at a segment
+    # boundary, of KV that was evaluated segment by segment like any other, and it comes back into the
+    # same cells (the sequence is emptied first, so llama.cpp places it from cell 0, where an evaluation
+    # puts it too); tests compare restored against evaluated logits. Only for models that rewind partially
+    # (the others keep their one per-request snapshot, _ensure_prefix).
+
+    @property
+    def _prefix_snapshots_enabled(self) -> bool:
+        return self.prefix_cache and self.partial_rewind and self.prefix_cache_bytes > 0
+
+    @property
+    def prefix_snapshot_stats(self) -> dict:
+        return {
+            "entries": len(self._prefix_snapshots),
+            "bytes": self._prefix_snapshot_bytes,
+            "limit_bytes": self.prefix_cache_bytes if self._prefix_snapshots_enabled else 0,
+            "taken": self.prefix_snapshots_taken,
+            "restores": self.prefix_restores,
+            "restored_tokens": self.prefix_restored_tokens,
+        }
+
+    def clear_prefix_snapshots(self) -> None:
+        self._prefix_snapshots.clear()
+        self._prefix_snapshot_bytes = 0
+        self._prefix_seen.clear()
+
+    def _note_prefix(self, prefix: Sequence[Sequence[int]]) -> None:
+        """Count one more request for every leading boundary of this request's prefix (under options_first
+        the boundary after the question block is the one routing requests share; under state_first, the
+        whole state prefix)."""
+        if not self._prefix_snapshots_enabled:
+            return
+        seen = self._prefix_seen
+        for m in range(1, len(prefix) + 1):
+            key = _prefix_key(prefix[:m])
+            seen[key] = seen.get(key, 0) + 1
+            seen.move_to_end(key)
+        while len(seen) > PREFIX_SEEN_SIZE:
+            seen.popitem(last=False)
+
+    def _use_prefix_snapshots(self, segments: list[Sequence[int]], keep: int, limit: int) -> int:
+        """Before the context drops what it holds beyond ``keep`` segments: save its deepest hot prefix,
+        then restore the deepest snapshot that starts ``segments`` (within the first ``limit``) if that
+        spares enough evaluation. Returns how many leading segments of ``segments`` the context now holds
+        (or ``keep``, for the caller's rewind)."""
+        keep_tokens = sum(len(s) for s in segments[:keep])
+        found: Optional[_PrefixSnapshot] = None
+        n_tokens = keep_tokens
+        for m in range(keep + 1, limit + 1 if self._prefix_snapshots else 0):  # deepest wins
+            n_tokens += len(segments[m - 1])
+            if n_tokens - keep_tokens < PREFIX_SNAPSHOT_MIN_TOKENS:
+                continue
+            entry = self._prefix_snapshots.get(_prefix_key(segments[:m]))
+            if entry is not None and entry.segments == tuple(tuple(s) for s in segments[:m]):
+                found = entry
+        if keep < len(self._segments):
+            self._save_prefix(keep)
+        if found is None:
+            return keep
+        return self._restore_prefix(found, keep)
+
+    def _save_prefix(self, keep: int) -> None:
+        """Snapshot the deepest hot boundary of the context beyond ``keep`` segments, not already saved."""
+        context = self._segments
+        keep_tokens = sum(len(s) for s in context[:keep])
+        lengths = np.cumsum([len(s) for s in context]).tolist()
+        for m in range(len(context), keep, -1):
+            if lengths[m - 1] - keep_tokens < PREFIX_SNAPSHOT_MIN_TOKENS:
+                break
+            key = _prefix_key(context[:m])
+            if self._prefix_seen.get(key, 0) < 2:
+                continue
+            if key in self._prefix_snapshots:
+                self._prefix_snapshots.move_to_end(key)
+                return
+            if not self._lc.llama_memory_seq_rm(self._memory, SEQ, lengths[m - 1], -1):
+                return
+            self._segments = context[:m]
+            size = self._lc.llama_state_seq_get_size(self._ctx, SEQ)
+            if size <= 0 or size > self.prefix_cache_bytes:
+                return
+            data = np.empty(size, dtype=np.uint8)
+            written = self._lc.llama_state_seq_get_data(self._ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, SEQ)
+            if written != size:
+                return
+            self._prefix_snapshots[key] = _PrefixSnapshot(tuple(context[:m]), lengths[m - 1], data)
+            self._prefix_snapshot_bytes += size
+            self.prefix_snapshots_taken += 1
+            while self._prefix_snapshot_bytes > self.prefix_cache_bytes:
+                _, dropped = self._prefix_snapshots.popitem(last=False)
+                self._prefix_snapshot_bytes -= dropped.data.nbytes
+            return
+
+    def _restore_prefix(self, entry: _PrefixSnapshot, keep: int) -> int:
+        lc = self._lc
+        lc.llama_memory_seq_rm(self._memory, SEQ, -1, -1)  # removing a whole sequence never fails
+        self._segments = []
+        key = _prefix_key(entry.segments)
+        data = entry.data
+        if lc.llama_state_seq_set_data(self._ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), data.nbytes, SEQ) == 0:
+            # Cannot happen with a snapshot of this context; if it does, drop it and evaluate instead.
+            self._prefix_snapshots.pop(key, None)
+            self._prefix_snapshot_bytes -= data.nbytes
+            self.invalidate()
+            return 0
+        self._prefix_snapshots.move_to_end(key)
+        self._segments = list(entry.segments)
+        self.prefix_restores += 1
+        self.prefix_restored_tokens += entry.n_tokens
+        return len(entry.segments)
 
     # ---- scoring ------------------------------------------------------------------------------
 
@@ -536,6 +746,7 @@ class Engine:
             self.invalidate()
         self._decoded_from = None
         prefix = [list(s) for s in plan.prefix_segments]
+        self._note_prefix(prefix)
         prefix_len = plan.state_tokens
         distributions = []
         evaluated = memo_suffix_tokens = 0
@@ -670,12 +881,21 @@ class Engine:
             self._decode(segment, set())
         self._take_snapshot()
 
+    def _memo_key(self, prefix: list[list[int]], suffix: Sequence[int], label_ids: Sequence[int]) -> bytes:
+        """``_tokens_key``, with the prefix hashed once per request rather than once per question: the
+        digest of the last prefix list seen is kept, by identity (``_execute`` builds one list per
+        request and no one mutates it; holding the reference keeps its id from being reused)."""
+        cached = self._memo_prefix
+        if cached is None or cached[0] is not prefix:
+            cached = self._memo_prefix = (prefix, _tokens_digest(prefix))
+        return _tokens_digest((suffix, label_ids), cached[1].copy()).digest()
+
     def _score_labels(self, qplan: QuestionPlan, prefix: list[list[int]], suffix: list[int]) -> Distribution:
         label_ids = list(qplan.label_token_ids or ())
         variants = [list(v) for v in (qplan.label_variants or [(t,) for t in label_ids])]
         total = sum(len(s) for s in prefix) + len(suffix)
         use_memo = self.label_memo and self.prefix_cache
-        key = _tokens_key(prefix, suffix, [t for v in variants for t in v] + [-1] + [len(v) for v in variants]) if use_memo else b""
+        key = self._memo_key(prefix, suffix, [t for v in variants for t in v] + [-1] + [len(v) for v in variants]) if use_memo else b""
         remembered = self._label_memo.get(key) if use_memo else None
         if remembered is not None:
             self._label_memo.move_to_end(key)

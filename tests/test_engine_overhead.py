@@ -1,0 +1,106 @@
+"""The per-request shortcuts of issue 14 §2 change no answer: each is checked against the slow way, on the
+real embedded model."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from semif.serving.engine import Engine, _answer_logprob, _tokens_key
+from semif.serving.prompt import Outcome, Question
+
+ROUTE = Question("Which queue?", (Outcome("billing", "Invoices and refunds."), Outcome("shipping", "Parcels.")))
+TEXTS = [
+    "hello",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "é漢字 🎉 naïve façade " * 20,
+    " x" * 600,
+    "\n\n\t  trailing space ",
+    "a",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("special", [True, False])
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_right_sized_tokenization_equals_llama_cpp_pythons(engine, text, special, add_bos):
+    expected = engine.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+    assert engine._tokenize_bytes(text.encode("utf-8"), add_bos, special) == expected
+    # A buffer too small for the answer: llama.cpp says the size it needs and the call is repeated.
+    assert engine._tokenize_bytes(text.encode("utf-8"), add_bos, special, n_max=1) == expected
+    assert engine._tokenize(text, special=special, add_bos=add_bos) == expected
+
+
+def test_template_text_is_tokenized_once_however_many_questions_ask(engine):
+    engine.plan("A first state.", [ROUTE])
+    before = engine._template_tokens.cache_info()
+    engine.plan("A second, different state.", [ROUTE, ROUTE, ROUTE])
+    after = engine._template_tokens.cache_info()
+    assert after.misses == before.misses  # head and tail came from the cache
+    assert after.hits >= before.hits + 4  # the head once, the tail once per question
+
+
+def test_the_memo_key_hashes_the_prefix_once_and_equals_the_full_key(engine):
+    first = [[1, 2, 3], [4, 5]]
+    second = [[1, 2, 3], [4, 6]]
+    for prefix, suffix, labels in [(first, [7], [9, 10]), (first, [8], [9, 10]), (second, [7], [9, 10]),
+                                   (first, [7], [9, 11])]:
+        assert engine._memo_key(prefix, suffix, labels) == _tokens_key(prefix, suffix, labels)
+        assert engine._memo_prefix[0] is prefix
+    assert engine._memo_key(first, [7], [9, 10]) != engine._memo_key(second, [7], [9, 10])
+
+
+def test_cloze_log_probabilities_from_a_float32_logsumexp_equal_a_float64_log_softmax(engine):
+    plan = engine.plan("The parcel never arrived.", [ROUTE], scoring="sequence")
+    segments = [list(s) for s in plan.prefix_segments] + [list(plan.questions[0].suffix_tokens)]
+    end = sum(len(s) for s in segments)
+    rows, _, _ = engine._forward(segments, list(range(end - 4, end)))
+    stacked = np.stack([rows[p] for p in sorted(rows)])
+    answer = [int(np.argmax(stacked[0])), 17, 3000, engine.n_vocab - 1]
+    as64 = stacked.astype(np.float64)
+    peak = as64.max(axis=1, keepdims=True)
+    full = as64 - peak - np.log(np.exp(as64 - peak).sum(axis=1, keepdims=True))
+    expected = sum(full[i, t] for i, t in enumerate(answer))
+    assert abs(_answer_logprob(stacked, answer) - expected) < 1e-5
+
+
+def test_clearing_only_the_caches_metadata_leaves_later_answers_exact(engine, model_path):
+    """invalidate() marks the KV cells free without zeroing the buffer: what an earlier request left there
+    must not reach a later answer. Compared with a brand-new engine, whose buffer llama.cpp zeroed."""
+    state = "A customer was charged twice for one order and wants a refund."
+    fresh = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
+                   prefix_cache_mb=0)
+    try:
+        want = fresh.score(state, [ROUTE]).distributions[0].option_logits
+    finally:
+        fresh.close()
+    engine.score("Something long and different. " * 40, [ROUTE])  # fills cells the next prompt will reuse
+    engine.invalidate()
+    got = engine.score(state, [ROUTE])
+    assert got.cached_tokens == 0
+    assert got.distributions[0].option_logits == want
+
+
+def test_with_flash_attention_a_cached_answer_equals_an_uncached_one(model_path):
+    """SEMIF_FLASH_ATTN=1 keeps the exactness rule: reuse at segment boundaries changes no logit."""
+    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
+                 prefix_cache_mb=0, flash_attn=True)
+    try:
+        state = "The invoice shows two charges for one parcel that never arrived."
+        other = Question("Is a refund due?", (Outcome("yes"), Outcome("no")), kind="binary")
+        eng.prefix_cache = False
+        cold = [d.option_logits for d in eng.score(state, [ROUTE, other]).distributions]
+        eng.prefix_cache = True
+        eng.score("Another customer asks about sizes.", [ROUTE])
+        warm = eng.score(state, [ROUTE, other])
+        assert 0 < warm.state_cached_tokens < warm.state_tokens  # the head reused, the state evaluated
+        again = eng.score(state, [other, ROUTE])  # the whole state reused
+        assert again.state_cached_tokens == again.state_tokens
+    finally:
+        eng.close()
+    for got, want in zip([d.option_logits for d in warm.distributions], cold):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(again.distributions[1].option_logits, cold[0], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(again.distributions[0].option_logits, cold[1], atol=1e-6, rtol=0)
