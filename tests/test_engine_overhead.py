@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from semif.serving.engine import Engine, _answer_logprob, _tokens_key
+from semif.serving.engine import Engine, _token_logprobs, _tokens_key
 from semif.serving.prompt import Outcome, Question
 
 ROUTE = Question("Which queue?", (Outcome("billing", "Invoices and refunds."), Outcome("shipping", "Parcels.")))
@@ -63,7 +63,7 @@ def test_cloze_log_probabilities_from_a_float32_logsumexp_equal_a_float64_log_so
     peak = as64.max(axis=1, keepdims=True)
     full = as64 - peak - np.log(np.exp(as64 - peak).sum(axis=1, keepdims=True))
     expected = sum(full[i, t] for i, t in enumerate(answer))
-    assert abs(_answer_logprob(stacked, answer) - expected) < 1e-5
+    assert abs(float(_token_logprobs(stacked, answer).sum()) - expected) < 1e-5
 
 
 def test_clearing_only_the_caches_metadata_leaves_later_answers_exact(engine, model_path):

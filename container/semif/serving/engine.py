@@ -108,15 +108,15 @@ def softmax(logits: Sequence[float]) -> list[float]:
     return (values / values.sum()).tolist()
 
 
-def _answer_logprob(rows: np.ndarray, answer: Sequence[int]) -> float:
-    """Sum over i of log-softmax(rows[i])[answer[i]], computed for those entries only: a logsumexp per row
+def _token_logprobs(rows: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+    """log-softmax(rows[i])[tokens[i]] for each i, computed for those entries only: a logsumexp per row
     (exp in float32 on the raw logits, the sum accumulated in float64), not a float64 copy of every row's
     full log-softmax. The float32 exponentials are within 1e-7 relative of float64 ones, far below any
     difference between answers (logits come out of the model as float32)."""
     peak = rows.max(axis=1)
     sums = np.exp(rows - peak[:, None]).sum(axis=1, dtype=np.float64)
-    picked = rows[np.arange(len(answer)), np.asarray(answer, dtype=np.int64)].astype(np.float64)
-    return float(np.sum(picked - peak.astype(np.float64) - np.log(sums)))
+    picked = rows[np.arange(len(tokens)), np.asarray(tokens, dtype=np.int64)].astype(np.float64)
+    return picked - peak.astype(np.float64) - np.log(sums)
 
 
 def _tokens_digest(parts: Sequence[Sequence[int]], digest=None):
@@ -937,17 +937,16 @@ class Engine:
         prompt_len = sum(len(s) for s in prefix) + len(suffix)
         body = prefix + [suffix]
         rows, reused, evaluated = self._forward(body, [prompt_len - 1])
-        first = _log_softmax_rows(rows[prompt_len - 1][None, :])[0]
+        first_row = rows[prompt_len - 1][None, :]
         scores, per_token = [], []
         for answer in answers:
-            logprobs = [float(first[answer[0]])]
+            logprobs = [float(_token_logprobs(first_row, answer[:1])[0])]
             tail = answer[:-1]
             if tail:
                 positions = list(range(prompt_len, prompt_len + len(tail)))
                 rows, _, n_eval = self._forward(body + [tail], positions)
                 evaluated += n_eval
-                later = _log_softmax_rows(np.stack([rows[p] for p in positions]))
-                logprobs += [float(later[i, t]) for i, t in enumerate(answer[1:])]
+                logprobs += _token_logprobs(np.stack([rows[p] for p in positions]), answer[1:]).tolist()
             per_token.append(logprobs)
             scores.append(float(sum(logprobs) / len(logprobs)))
         scores = [s if math.isfinite(s) else -1e30 for s in scores]
