@@ -291,7 +291,9 @@ def _decode_entries(engine, entries: list, wanted: dict[int, list[list[int]]]) -
     from .engine import _label_logits
 
     lc, batch, ctx = engine._lc, engine._batch, engine._ctx
-    out: dict[int, list[float]] = {}
+    # This writes other sequence ids into the engine's batch: its serial fill must write its own again.
+    engine._batch_seq_ready = False
+    out: dict[int, tuple[list[float], float]] = {}
     for offset in range(0, len(entries), engine.n_batch):
         chunk = entries[offset : offset + engine.n_batch]
         batch.n_tokens = len(chunk)
