@@ -114,7 +114,9 @@ def test_report_counts_errors_choices_and_margins_and_scores_the_labels_with_sem
         per_decision[answer["id"]][answer["choice"]] += 1
     assert report["choices"] == {k: dict(sorted(v.items(), key=lambda kv: -kv[1])) for k, v in per_decision.items()}
     assert report["margin"]["n"] == 29
-    assert report["label_mass"] is None and report["abstain_share"] is None  # neither reported by this output
+    # Label scoring reports each answer's label mass (issue #11 §2); this output has no policy, so no abstentions.
+    assert report["label_mass"]["n"] == 29 and 0.0 < report["label_mass"]["mean"] <= 1.0
+    assert report["abstain_share"] is None
     rows = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
     correct = sum(answer["choice"] == row["answer"] for row, (_, answer) in zip(rows, answered))
     assert report["labeled"] == 29
@@ -122,7 +124,7 @@ def test_report_counts_errors_choices_and_margins_and_scores_the_labels_with_sem
     assert report["evaluation"]["probabilities"]["ece"] is not None
     names = {Path(p).name for p in report["plots"]}
     assert {"margins.png", "labeled-reliability.png", "labeled-accuracy-coverage.png"} <= names
-    assert "label_mass.png" not in names and "labeled-latency.png" not in names  # no client latency in a batch
+    assert "label_mass.png" in names and "labeled-latency.png" not in names  # label mass reported; no client latency in a batch
     assert all((report_dir / name).stat().st_size > 1000 for name in names)
 
 

@@ -262,8 +262,8 @@ def test_system_one_and_openai_requests_carry_layout_and_injection_suspected(cli
         {"type": "predicate", "instructions": "ok?"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "layout"
     many = client.post("/invocations", json={"state": "x", "layout": "options_first", "questions": {
-        "a": {"type": "noul"}, "b": {"type": "noul"}}})
-    assert many.status_code == 422 and "layout" in many.text
+        "a": {"type": "noul", "instructions": "Is it urgent?"}, "b": {"type": "noul", "instructions": "Is it polite?"}}})
+    assert many.status_code == 422 and "layout" in many.text, many.text
 
 
 def test_a_server_default_of_options_first_falls_back_to_state_first_for_several_questions(engine, model_path):
