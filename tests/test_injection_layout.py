@@ -4,6 +4,8 @@ the injection check, plain-text turn markers, the normalised fence search, and t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -160,7 +162,9 @@ def test_the_injection_check_reuses_the_state_and_does_not_change_the_answer(eng
         engine.invalidate()
         checked = engine.score(injected, [ROUTING], layout=layout, injection_check=True)
         engine.invalidate()
-        plain = engine.score(injected, [ROUTING], layout=layout)
+        # Options-first without the check fuses the state with the question (one segment); with the check
+        # the state is its own segment, so the check's answer equals the split plan's exactly.
+        plain = engine.execute(replace(engine.plan(injected, [ROUTING], layout=layout), fuse_state_and_question=False))
         assert checked.distributions[0].option_logits == pytest.approx(plain.distributions[0].option_logits, abs=1e-6)
         p = checked.injection_suspected
         assert 0.0 < p < 1.0 and checked.distributions[0].injection_suspected == p and plain.injection_suspected is None
@@ -168,6 +172,39 @@ def test_the_injection_check_reuses_the_state_and_does_not_change_the_answer(eng
         # The check evaluates only its own suffix: the state prefix is already in the context.
         assert checked.evaluated_tokens == plan.input_tokens
         assert checked.template_version == plan.template_version
+
+
+def test_options_first_fuses_the_state_with_the_question_only_when_nothing_else_reuses_the_state():
+    routing = _plan([ROUTING], layout="options_first")
+    assert routing.fuse_state_and_question
+    assert not _plan([ROUTING], layout="state_first").fuse_state_and_question  # later questions reuse the state
+    assert not _plan([ROUTING], layout="options_first", injection_check=True).fuse_state_and_question
+    assert not _plan([ROUTING], layout="options_first", debias="reverse").fuse_state_and_question
+    # Same tokens either way: fusing changes how the engine evaluates them, not the prompt.
+    assert routing.prefix_segments == _plan([ROUTING], layout="options_first", injection_check=True).prefix_segments
+
+
+def test_a_fused_routing_decision_is_one_segment_exact_when_cached_and_close_to_the_split_one(engine):
+    engine.invalidate()
+    engine.score(TICKETS[2], [ROUTING], layout="options_first")  # the options block is now cached
+    plan = engine.plan(TICKETS[0], [ROUTING], layout="options_first")
+    fused = engine.execute(plan)
+    last_state_block, suffix = plan.prefix_segments[-1], tuple(plan.questions[0].suffix_tokens)
+    assert engine._segments[-1] == last_state_block + suffix  # one segment: state and question together
+    assert 0 < fused.distributions[0].cached_tokens < fused.distributions[0].tokens
+    engine.prefix_cache = False
+    try:
+        cold = engine.execute(plan)
+    finally:
+        engine.prefix_cache = True
+    assert cold.distributions[0].cached_tokens == 0
+    assert fused.distributions[0].option_logits == pytest.approx(cold.distributions[0].option_logits, abs=1e-6)
+    split = engine.execute(replace(plan, fuse_state_and_question=False))
+    assert engine._segments[-1] == suffix
+    # Other batch shapes, other kernels: close, not equal (the memo keeps the two apart).
+    diff = np.max(np.abs(np.array(split.distributions[0].option_logits) - fused.distributions[0].option_logits))
+    assert diff < 0.2
+    assert split.evaluated_tokens > 0
 
 
 def test_the_injection_check_equals_p_yes_of_its_prompt_evaluated_from_scratch(engine, model_path):

@@ -259,7 +259,10 @@ class Engine:
             n_threads_batch=n_threads,
             n_gpu_layers=n_gpu_layers,
             # llama-server's default is "auto" (on wherever the backend supports it, the CPU included);
-            # llama-cpp-python can only force it on or off. Off unless SEMIF_FLASH_ATTN says otherwise.
+            # llama-cpp-python can only force it on or off. Off unless SEMIF_FLASH_ATTN says otherwise: on
+            # the CPU it is 2-4% faster but computes attention in half precision, so the same prompt
+            # evaluated in other batch shapes drifts by ~0.2 logit instead of ~0.002 (docs/benchmarks.md).
+            # It changes the numerics, so every answer's model record names it (`flash_attn`).
             flash_attn=flash_attn,
             logits_all=False,
             verbose=verbose,
@@ -338,6 +341,7 @@ class Engine:
             "llama_cpp_python": llama_cpp.__version__,
             "llama_cpp_build": self._llama_build(),
             "n_gpu_layers": self.n_gpu_layers,
+            "flash_attn": bool(flash_attn),
             "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
             "hardware": (_gpu_name() if llama_cpp.llama_supports_gpu_offload() else None) or _cpu_name(),
             "n_ctx": self.n_ctx,
@@ -816,7 +820,8 @@ class Engine:
             prefix_text = "".join(piece.text for piece in qplan.own_prefix_pieces or ())
         suffix = qplan.suffix_tokens
         if plan.scoring == "label":
-            dist = self._score_labels(qplan, prefix, suffix)
+            # Recurrent models restart each question from a snapshot of the whole prefix: nothing to fuse.
+            dist = self._score_labels(qplan, prefix, suffix, fuse=plan.fuse_state_and_question and self.partial_rewind)
         else:
             dist = self._score_sequence(prefix, suffix, [list(a) for a in qplan.answer_tokens])
         if plan.return_prompt:
@@ -890,12 +895,15 @@ class Engine:
             cached = self._memo_prefix = (prefix, _tokens_digest(prefix))
         return _tokens_digest((suffix, label_ids), cached[1].copy()).digest()
 
-    def _score_labels(self, qplan: QuestionPlan, prefix: list[list[int]], suffix: list[int]) -> Distribution:
+    def _score_labels(self, qplan: QuestionPlan, prefix: list[list[int]], suffix: list[int], *, fuse: bool = False) -> Distribution:
+        """``fuse``: evaluate the prefix's last segment and the suffix as one segment
+        (PromptPlan.fuse_state_and_question); the memo keeps fused and split logits apart."""
         label_ids = list(qplan.label_token_ids or ())
         variants = [list(v) for v in (qplan.label_variants or [(t,) for t in label_ids])]
         total = sum(len(s) for s in prefix) + len(suffix)
         use_memo = self.label_memo and self.prefix_cache
-        key = self._memo_key(prefix, suffix, [t for v in variants for t in v] + [-1] + [len(v) for v in variants]) if use_memo else b""
+        key = self._memo_key(prefix, suffix, [t for v in variants for t in v] + [-1] + [len(v) for v in variants]
+                             + ([-2] if fuse else [])) if use_memo else b""
         remembered = self._label_memo.get(key) if use_memo else None
         if remembered is not None:
             self._label_memo.move_to_end(key)
@@ -903,7 +911,8 @@ class Engine:
             reused, evaluated = total, 0
         else:
             self._ensure_prefix(prefix)
-            rows, reused, evaluated = self._forward(prefix + [suffix], [total - 1])
+            segments = prefix[:-1] + [prefix[-1] + list(suffix)] if fuse and prefix else prefix + [suffix]
+            rows, reused, evaluated = self._forward(segments, [total - 1])
             logits, label_mass = _label_logits(rows[total - 1], variants)
             if use_memo:
                 self._label_memo[key] = (logits, label_mass)

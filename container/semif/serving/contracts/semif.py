@@ -257,6 +257,7 @@ def _model_record(run: RunContext, scoring: str) -> dict:
         "llama_cpp_python": info["llama_cpp_python"],
         "llama_cpp_build": info["llama_cpp_build"],
         "n_gpu_layers": info["n_gpu_layers"],
+        "flash_attn": info.get("flash_attn"),
         "hardware": info["hardware"],
         "scoring": scoring,
         "image_digest": run.image_digest,

@@ -229,6 +229,7 @@ def parse(body: Any, limits: Limits) -> Job:
                 "llama_cpp_build": info["llama_cpp_build"],
                 "hardware": info["hardware"],
                 "n_gpu_layers": info["n_gpu_layers"],
+                "flash_attn": info.get("flash_attn"),
                 "template_version": getattr(result, "template_version", None) or info.get("template_version") or TEMPLATE_VERSION,
                 "layout": getattr(result, "layout", "state_first"),
                 "injection_suspected": getattr(result, "injection_suspected", None),
