@@ -71,7 +71,7 @@ def test_clearing_only_the_caches_metadata_leaves_later_answers_exact(engine, mo
     must not reach a later answer. Compared with a brand-new engine, whose buffer llama.cpp zeroed."""
     state = "A customer was charged twice for one order and wants a refund."
     fresh = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
-                   prefix_cache_mb=0)
+                   prefix_cache_mb=0, flash_attn=False)  # as the session engine (conftest)
     try:
         want = fresh.score(state, [ROUTE]).distributions[0].option_logits
     finally:
@@ -84,10 +84,12 @@ def test_clearing_only_the_caches_metadata_leaves_later_answers_exact(engine, mo
 
 
 def test_with_flash_attention_a_cached_answer_equals_an_uncached_one(model_path):
-    """SEMIF_FLASH_ATTN=1 keeps the exactness rule: reuse at segment boundaries changes no logit."""
+    """Flash attention (the server default, SEMIF_FLASH_ATTN=1) keeps the exactness rule: reuse at segment
+    boundaries changes no logit. Every answer's model record says whether it ran."""
     eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
                  prefix_cache_mb=0, flash_attn=True)
     try:
+        assert eng.info["flash_attn"] is True
         state = "The invoice shows two charges for one parcel that never arrived."
         other = Question("Is a refund due?", (Outcome("yes"), Outcome("no")), kind="binary")
         eng.prefix_cache = False

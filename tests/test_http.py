@@ -54,7 +54,7 @@ def test_single_decision_returns_a_full_result(client, engine):
     assert body["model"]["sha256"] == engine.sha256
     assert body["model"]["scoring"] == "label"
     assert body["model"]["llama_cpp_python"]
-    assert body["model"]["flash_attn"] is engine.info["flash_attn"] is False  # the default
+    assert body["model"]["flash_attn"] is engine.info["flash_attn"] is False  # the test engine (conftest)
     assert "text" not in body["prompt"]
 
 

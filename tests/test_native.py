@@ -87,14 +87,16 @@ def native_models(tmp_path_factory, model_path):
 
 @pytest.fixture(scope="module")
 def jev_engine(native_models):
-    engine = Engine(native_models["jev"], n_ctx=2048, n_threads=os.cpu_count() or 2, label_memo=False)
+    engine = Engine(native_models["jev"], n_ctx=2048, n_threads=os.cpu_count() or 2, label_memo=False,
+                    flash_attn=False)  # compared with a one-batch evaluation below (conftest: why)
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def systemone_engine(native_models):
-    engine = Engine(native_models["systemone"], n_ctx=2048, n_threads=os.cpu_count() or 2, label_memo=False)
+    engine = Engine(native_models["systemone"], n_ctx=2048, n_threads=os.cpu_count() or 2, label_memo=False,
+                    flash_attn=False)  # compared with a one-batch evaluation (conftest: why)
     yield engine
     engine.close()
 

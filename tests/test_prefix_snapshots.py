@@ -30,7 +30,7 @@ STATE_C = "Ticket from the lab. " + "The shared drive is read-only since Monday 
 def reference(model_path):
     """An engine that evaluates every prompt from an empty context: the answers a restore must give."""
     eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
-                 prefix_cache=False, prefix_cache_mb=0)
+                 prefix_cache=False, prefix_cache_mb=0, flash_attn=False)  # as the session engine (conftest)
     yield eng
     eng.close()
 

@@ -4,7 +4,8 @@
 
 Each layout answers every ticket once after one warm-up ticket (so the template head is cached in both
 layouts); the layouts run one after the other, not interleaved: the engine holds one prefix, and
-alternating layouts would evict each other's prefix. Prints the p50 per layout and the ratio
+alternating layouts would evict each other's prefix. Within a layout the adapter and llama-server
+alternate per ticket, so their ratio is measured under the same machine conditions. Prints the p50 per layout and the ratio
 options-first / state-first (goal: at most 0.25), and the tokens evaluated per ticket.
 
 With --llama-server BINARY, upstream llama-server (tools/bench_llama_server.py's LlamaServer, same model,
@@ -102,29 +103,46 @@ def tickets(n: int, seed: int = 7) -> list[str]:
 QUESTION = Question("Which team should take this ticket?", tuple(Outcome(k, d) for k, d in TEAMS))
 
 
-def bench_engine(engine: Engine, texts: list[str], layout: str) -> dict:
-    engine.invalidate()
-    engine.score("Warm-up ticket: the Wi-Fi is down.", [QUESTION], layout=layout)
-    times, evaluated, tokens = [], [], []
-    for text in texts:
-        started = time.perf_counter()
-        result = engine.score(text, [QUESTION], layout=layout)
-        times.append((time.perf_counter() - started) * 1000)
-        evaluated.append(result.evaluated_tokens)
-        tokens.append(result.input_tokens)
-    return {"p50_ms": statistics.median(times), "mean_evaluated": statistics.mean(evaluated),
-            "mean_tokens": statistics.mean(tokens), "template_version": result.template_version}
+WARM_UP = "Warm-up ticket: the Wi-Fi is down."
 
 
-def bench_server(server, engine: Engine, texts: list[str], layout: str) -> dict:
+def bench_layout(engine: Engine, server, texts: list[str], layout: str) -> dict:
+    """Every ticket through the engine and, when given, llama-server, alternating which goes first per
+    ticket (each keeps its own cache: the engine its context, the server its slot), so the two are
+    compared under the same machine conditions. llama-server reports the prompt tokens it evaluated
+    (``timings.prompt_n``): its cache reuses the longest common token prefix with the previous prompt."""
+
     def prompt(text: str) -> str:
         plan = engine.plan(text, [QUESTION], layout=layout)
         return plan.prefix_text + plan.questions[0].text
 
     body = lambda text: {"prompt": prompt(text), "n_predict": 1, "temperature": 0, "cache_prompt": True}  # noqa: E731
-    server.post_ms("/completion", body("Warm-up ticket: the Wi-Fi is down."))
-    times = [server.post_ms("/completion", body(text))[0] for text in texts]
-    return {"p50_ms": statistics.median(times)}
+    engine.invalidate()
+    engine.score(WARM_UP, [QUESTION], layout=layout)
+    if server is not None:
+        server.post_ms("/completion", body(WARM_UP))
+    times, evaluated, tokens, server_times, server_evaluated = [], [], [], [], []
+    for index, text in enumerate(texts):
+        def adapter_run():
+            started = time.perf_counter()
+            result = engine.score(text, [QUESTION], layout=layout)
+            times.append((time.perf_counter() - started) * 1000)
+            evaluated.append(result.evaluated_tokens)
+            tokens.append(result.input_tokens)
+
+        def server_run():
+            ms, answer = server.post_ms("/completion", body(text))
+            server_times.append(ms)
+            server_evaluated.append(answer.get("timings", {}).get("prompt_n", float("nan")))
+
+        runs = [adapter_run] + ([server_run] if server is not None else [])
+        for run in (runs if index % 2 == 0 else runs[::-1]):
+            run()
+    out = {"adapter": {"p50_ms": statistics.median(times), "mean_evaluated": statistics.mean(evaluated),
+                       "mean_tokens": statistics.mean(tokens), "template_version": engine.template.version(layout)}}
+    if server is not None:
+        out["llama-server"] = {"p50_ms": statistics.median(server_times), "mean_evaluated": statistics.mean(server_evaluated)}
+    return out
 
 
 def main() -> int:
@@ -133,37 +151,52 @@ def main() -> int:
     parser.add_argument("--tickets", type=int, default=50)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--llama-server", type=Path, default=None, help="also time upstream llama-server (binary path)")
+    parser.add_argument("--layouts", default="state_first,options_first", help="comma-separated, of state_first, options_first")
+    parser.add_argument("--flash-attn", action="store_true", help="the adapter with SEMIF_FLASH_ATTN=1 (default off)")
+    parser.add_argument("--server-flash-attn", choices=("auto", "on", "off"), default="auto",
+                        help="llama-server's -fa (its default, auto, is on for the CPU)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    layouts = [l.strip() for l in args.layouts.split(",") if l.strip()]
     texts = tickets(args.tickets)
     model = args.model or embedded_model_path()
-    engine = Engine(model, n_ctx=4096, n_batch=512, n_threads=args.threads, label_memo=False)
+    engine = Engine(model, n_ctx=4096, n_batch=512, n_threads=args.threads, label_memo=False, flash_attn=args.flash_attn)
     n_tokens = statistics.mean(len(engine._tokenize(t, special=False)) for t in texts)
     n_options = len(engine._tokenize(engine.plan("x", [QUESTION], layout="options_first").prefix_pieces[1].text, special=False))
     print(f"model {engine.info['file']}, {len(TEAMS)} options ({n_options} tokens of question and options), "
-          f"{len(texts)} tickets of {n_tokens:.0f} tokens on average, {args.threads} threads", flush=True)
+          f"{len(texts)} tickets of {n_tokens:.0f} tokens on average, {args.threads} threads, adapter flash attention "
+          f"{'on' if args.flash_attn else 'off'}, llama-server -fa {args.server_flash_attn}", flush=True)
     results = {}
-    for layout in ("state_first", "options_first"):
-        results[f"adapter/{layout}"] = r = bench_engine(engine, texts, layout)
-        print(f"adapter {layout:13s}: p50 {r['p50_ms']:8.1f} ms, {r['mean_evaluated']:.0f} of {r['mean_tokens']:.0f} "
-              f"tokens evaluated per ticket ({r['template_version']})", flush=True)
-    ratio = results["adapter/options_first"]["p50_ms"] / results["adapter/state_first"]["p50_ms"]
-    print(f"options-first / state-first p50: {ratio:.3f} (goal <= 0.25)")
+    server = None
     if args.llama_server:
         from bench_llama_server import LlamaServer
 
-        server = LlamaServer(args.llama_server, model, args.threads, Path("/tmp/bench_routing_llama_server.log"))
-        try:
-            for layout in ("state_first", "options_first"):
-                results[f"llama-server/{layout}"] = r = bench_server(server, engine, texts, layout)
-                print(f"llama-server {layout:13s}: p50 {r['p50_ms']:8.1f} ms", flush=True)
-        finally:
+        server = LlamaServer(args.llama_server, model, args.threads, Path("/tmp/bench_routing_llama_server.log"),
+                             ("-fa", args.server_flash_attn))
+    try:
+        for layout in layouts:
+            measured = bench_layout(engine, server, texts, layout)
+            results[f"adapter/{layout}"] = r = measured["adapter"]
+            print(f"adapter {layout:13s}: p50 {r['p50_ms']:8.1f} ms, {r['mean_evaluated']:.0f} of {r['mean_tokens']:.0f} "
+                  f"tokens evaluated per ticket ({r['template_version']})", flush=True)
+            if server is not None:
+                results[f"llama-server/{layout}"] = s = measured["llama-server"]
+                print(f"llama-server {layout:13s}: p50 {s['p50_ms']:8.1f} ms, {s['mean_evaluated']:.0f} prompt tokens "
+                      f"evaluated per ticket; adapter / llama-server p50 {r['p50_ms'] / s['p50_ms']:.3f}", flush=True)
+    finally:
+        if server is not None:
             server.close()
-        best_adapter = min(results[f"adapter/{l}"]["p50_ms"] for l in ("state_first", "options_first"))
-        best_server = min(results[f"llama-server/{l}"]["p50_ms"] for l in ("state_first", "options_first"))
+    ratio = None
+    if len(layouts) == 2:
+        ratio = results["adapter/options_first"]["p50_ms"] / results["adapter/state_first"]["p50_ms"]
+        print(f"options-first / state-first p50: {ratio:.3f} (goal <= 0.25)")
+    if server is not None:
+        best_adapter = min(results[f"adapter/{l}"]["p50_ms"] for l in layouts)
+        best_server = min(results[f"llama-server/{l}"]["p50_ms"] for l in layouts)
         print(f"adapter best / llama-server best p50: {best_adapter / best_server:.3f} (goal <= 0.95)")
     if args.json:
-        args.json.write_text(json.dumps({"model": engine.info["file"], "results": results, "ratio": ratio}, indent=2))
+        args.json.write_text(json.dumps({"model": engine.info["file"], "results": results, "ratio": ratio,
+                                         "adapter_flash_attn": args.flash_attn, "server_flash_attn": args.server_flash_attn}, indent=2))
     engine.close()
     return 0
 

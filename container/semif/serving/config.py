@@ -91,7 +91,7 @@ class Settings:
     prefix_cache: bool = True
     label_memo: bool = True
     prefix_cache_mb: float = 256.0  # RAM for KV snapshots of prefixes (engine.DEFAULT_PREFIX_CACHE_MB); 0 disables
-    flash_attn: bool = False
+    flash_attn: bool = True
     max_queue: int = 8
     queue_timeout_s: float = 30.0
     read_timeout_s: float = 30.0
@@ -170,7 +170,7 @@ class Settings:
             prefix_cache=_bool(env, "SEMIF_PREFIX_CACHE", True),
             label_memo=_bool(env, "SEMIF_LABEL_MEMO", True),
             prefix_cache_mb=_float(env, "SEMIF_PREFIX_CACHE_MB", 256.0, minimum=0.0),
-            flash_attn=_bool(env, "SEMIF_FLASH_ATTN", False),
+            flash_attn=_bool(env, "SEMIF_FLASH_ATTN", True),
             max_queue=_int(env, "SEMIF_MAX_QUEUE", 8, minimum=0),
             queue_timeout_s=_float(env, "SEMIF_QUEUE_TIMEOUT_S", 30.0, minimum=0.001),
             read_timeout_s=_float(env, "SEMIF_READ_TIMEOUT_S", 30.0, minimum=0.1),

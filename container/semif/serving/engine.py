@@ -229,7 +229,7 @@ class Engine:
         prefix_cache: bool = True,
         label_memo: bool = True,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-        flash_attn: bool = False,
+        flash_attn: bool = True,
         default_scoring: str = "label",
         model_sha256: Optional[str] = None,
         verbose: bool = False,
@@ -259,10 +259,11 @@ class Engine:
             n_threads_batch=n_threads,
             n_gpu_layers=n_gpu_layers,
             # llama-server's default is "auto" (on wherever the backend supports it, the CPU included);
-            # llama-cpp-python can only force it on or off. Off unless SEMIF_FLASH_ATTN says otherwise: on
-            # the CPU it is 2-4% faster but computes attention in half precision, so the same prompt
-            # evaluated in other batch shapes drifts by ~0.2 logit instead of ~0.002 (docs/benchmarks.md).
-            # It changes the numerics, so every answer's model record names it (`flash_attn`).
+            # llama-cpp-python can only force it on or off. On unless SEMIF_FLASH_ATTN=0, as in llama-server:
+            # 4-11% faster per decision on this CPU, more the longer the prompt (docs/benchmarks.md). The
+            # CPU kernel accumulates in half precision, so the same prompt evaluated in other batch shapes
+            # differs by ~0.2 logit instead of ~0.002; the engine's shapes are fixed by the request, so a
+            # cached answer still equals an uncached one. Every answer's model record names it (`flash_attn`).
             flash_attn=flash_attn,
             logits_all=False,
             verbose=verbose,
