@@ -152,7 +152,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--llama-server", type=Path, default=None, help="also time upstream llama-server (binary path)")
     parser.add_argument("--layouts", default="state_first,options_first", help="comma-separated, of state_first, options_first")
-    parser.add_argument("--flash-attn", action="store_true", help="the adapter with SEMIF_FLASH_ATTN=1 (default off)")
+    parser.add_argument("--flash-attn", choices=("on", "off"), default="on",
+                        help="the adapter's flash attention (SEMIF_FLASH_ATTN; default on, as the server's)")
     parser.add_argument("--server-flash-attn", choices=("auto", "on", "off"), default="auto",
                         help="llama-server's -fa (its default, auto, is on for the CPU)")
     parser.add_argument("--json", type=Path, default=None)
@@ -160,12 +161,12 @@ def main() -> int:
     layouts = [l.strip() for l in args.layouts.split(",") if l.strip()]
     texts = tickets(args.tickets)
     model = args.model or embedded_model_path()
-    engine = Engine(model, n_ctx=4096, n_batch=512, n_threads=args.threads, label_memo=False, flash_attn=args.flash_attn)
+    engine = Engine(model, n_ctx=4096, n_batch=512, n_threads=args.threads, label_memo=False, flash_attn=args.flash_attn == "on")
     n_tokens = statistics.mean(len(engine._tokenize(t, special=False)) for t in texts)
     n_options = len(engine._tokenize(engine.plan("x", [QUESTION], layout="options_first").prefix_pieces[1].text, special=False))
     print(f"model {engine.info['file']}, {len(TEAMS)} options ({n_options} tokens of question and options), "
           f"{len(texts)} tickets of {n_tokens:.0f} tokens on average, {args.threads} threads, adapter flash attention "
-          f"{'on' if args.flash_attn else 'off'}, llama-server -fa {args.server_flash_attn}", flush=True)
+          f"{args.flash_attn}, llama-server -fa {args.server_flash_attn}", flush=True)
     results = {}
     server = None
     if args.llama_server:
