@@ -51,7 +51,8 @@ def batched(model_path):
 
     from semif.serving.engine import Engine
 
-    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=1, label_memo=False, n_seq=N_SEQ)
+    # Flash attention as in the session engine (conftest), which some tests here compare with exactly.
+    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=1, label_memo=False, n_seq=N_SEQ, flash_attn=False)
     yield eng
     eng.close()
 
