@@ -155,7 +155,7 @@ def run_variant(engine: Engine, name: str, sample: list[dict], heldout: list[dic
     return out
 
 
-SWEEP = (0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 0.99)
+SWEEP = (0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 0.99)
 
 
 def check_sweep(cases: list[dict]) -> dict:
