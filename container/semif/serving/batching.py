@@ -28,10 +28,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 
 from .admission import Admission, Admitted, Overloaded
-from .plan import EngineError, PromptPlan, QuestionPlan
+from .plan import PromptPlan, QuestionPlan
 
 MAX_N_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ; llama_max_parallel_sequences() says it at run time
 
@@ -189,14 +188,14 @@ def _leading_match(held: list[tuple[int, ...]], wanted: Sequence[Sequence[int]])
 
 
 def _run_wave(engine, wave: list[_Item], accounts: dict) -> None:
-    lc, memory = engine._lc, engine._memory
     wave_started = time.perf_counter()
     groups: dict[tuple, list[_Item]] = {}
     for item in wave:
         groups.setdefault(accounts[item.plan].plan.prefix_segments, []).append(item)
     keys = list(groups)
     # Sequence 0 holds what the context kept from before: the prefix that matches most of it goes there.
-    matches = [_leading_match(engine._segments, key) for key in keys]
+    held_before = engine.held_segments()
+    matches = [_leading_match(held_before, key) for key in keys]
     first = max(range(len(keys)), key=lambda g: (matches[g], -g))
     order = [first] + [g for g in range(len(keys)) if g != first]
     seq = 0
@@ -204,8 +203,7 @@ def _run_wave(engine, wave: list[_Item], accounts: dict) -> None:
         for item in groups[keys[g]]:
             item.seq = seq
             seq += 1
-    engine._rewind(matches[first])  # may empty the context (then nothing is reused)
-    held = len(engine._segments)
+    held = engine.keep_segments(matches[first])  # may empty the context (then nothing is reused)
     # Leading segments the context still holds (the template head, at least, once warm) are shared with
     # every other prefix that starts with them: their cells get the other home sequence too, before
     # sequence 0 grows. Without this each extra state would re-evaluate the template head.
@@ -215,7 +213,7 @@ def _run_wave(engine, wave: list[_Item], accounts: dict) -> None:
         starts[g] = sum(len(segment) for segment in keys[g][:shared])
         home = groups[keys[g]][0].seq
         if g != first and starts[g] > 0:
-            lc.llama_memory_seq_cp(memory, 0, home, 0, starts[g])
+            engine.copy_sequence(0, home, 0, starts[g])
 
     # 1. Every prefix's remaining tokens, all in one batch (split at n_batch), each on its home sequence.
     entries: list[tuple[int, int, int, Optional[int]]] = []  # (token, position, sequence, wave index or None)
@@ -223,12 +221,12 @@ def _run_wave(engine, wave: list[_Item], accounts: dict) -> None:
         tokens = [t for segment in keys[g] for t in segment]
         home = groups[keys[g]][0].seq
         entries += [(tokens[p], p, home, None) for p in range(starts[g], len(tokens))]
-    _decode_entries(engine, entries, {})
+    engine.decode_entries(entries, {})
     # 2. The prefix to the other questions' sequences: in a unified KV buffer the cells are shared.
     for g in order:
         home, *others = groups[keys[g]]
         for item in others:
-            lc.llama_memory_seq_cp(memory, home.seq, item.seq, -1, -1)
+            engine.copy_sequence(home.seq, item.seq)
     # 3. Every suffix in one batch, logits at each question's last position.
     entries, wanted = [], {}
     for n, item in enumerate(wave):
@@ -237,7 +235,7 @@ def _run_wave(engine, wave: list[_Item], accounts: dict) -> None:
         entries += [(t, plen + j, item.seq, n if j == last else None) for j, t in enumerate(item.suffix)]
         ids = item.qplan.label_token_ids or ()
         wanted[n] = [list(v) for v in (item.qplan.label_variants or [(t,) for t in ids])]
-    logits = _decode_entries(engine, entries, wanted)
+    logits = engine.decode_entries(entries, wanted)
     wave_ms = (time.perf_counter() - wave_started) * 1000
 
     # 4. Book the answers.
@@ -272,45 +270,7 @@ def _run_wave(engine, wave: list[_Item], accounts: dict) -> None:
     # 5. Keep one prefix in sequence 0 (the last question's: its plan may continue in the next wave,
     #    and the next request may share its state) and empty every other sequence.
     last = wave[-1]
-    key = accounts[last.plan].plan.prefix_segments
-    plen = accounts[last.plan].plan.state_tokens
-    lc.llama_memory_seq_rm(memory, last.seq, plen, -1)
-    if last.seq != 0:
-        lc.llama_memory_seq_rm(memory, 0, -1, -1)
-        lc.llama_memory_seq_cp(memory, last.seq, 0, -1, -1)
-    else:
-        lc.llama_memory_seq_rm(memory, 0, plen, -1)
-    for s in range(1, len(wave)):
-        lc.llama_memory_seq_rm(memory, s, -1, -1)
-    engine._segments = [tuple(segment) for segment in key]
-
-
-def _decode_entries(engine, entries: list, wanted: dict[int, list[list[int]]]) -> dict[int, tuple[list[float], float]]:
-    """Decode (token, position, sequence, tag) entries in order, ``n_batch`` at a time; return the
-    label logits and label mass (``wanted[tag]``: each label's token variants) at each tagged entry."""
-    from .engine import _label_logits
-
-    lc, batch, ctx = engine._lc, engine._batch, engine._ctx
-    # This writes other sequence ids into the engine's batch: its serial fill must write its own again.
-    engine._batch_seq_ready = False
-    out: dict[int, tuple[list[float], float]] = {}
-    for offset in range(0, len(entries), engine.n_batch):
-        chunk = entries[offset : offset + engine.n_batch]
-        batch.n_tokens = len(chunk)
-        for i, (token, pos, seq, tag) in enumerate(chunk):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = tag is not None
-        status = lc.llama_decode(ctx, batch)
-        if status != 0:
-            raise EngineError(f"llama_decode failed with status {status} (batched, {len(chunk)} tokens)")
-        for i, (_, _, _, tag) in enumerate(chunk):
-            if tag is not None:
-                row = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(engine.n_vocab,))
-                out[tag] = _label_logits(row, wanted[tag])
-    return out
+    engine.settle_sequences(last.seq, accounts[last.plan].plan.prefix_segments, len(wave))
 
 
 def _result(acc: _Account, elapsed_ms: float):

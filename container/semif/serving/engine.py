@@ -596,6 +596,69 @@ class Engine:
             rows.update(self._decode(segment, want))
         return rows, reused, total - reused
 
+    # ---- several sequences (the opt-in batched path, batching.py) ---------------------------------
+    #
+    # The batched step works on the same context through these methods only: the segment bookkeeping,
+    # the batch and the KV memory stay the engine's. Sequence SEQ (0) is the one the serial path uses;
+    # the batched step borrows sequences 1…n_seq-1 for one step and hands them back empty.
+
+    def held_segments(self) -> tuple[tuple[int, ...], ...]:
+        """The segments sequence SEQ holds, in order: what the next step can reuse."""
+        return tuple(self._segments)
+
+    def keep_segments(self, n_segments: int) -> int:
+        """Keep the first ``n_segments`` held segments and drop the rest; return how many are still held
+        (none when the context could not rewind partially and was emptied)."""
+        self._rewind(n_segments)
+        return len(self._segments)
+
+    def copy_sequence(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Give sequence ``dst`` the cells of ``src`` at positions [p0, p1) (shared, in a unified KV buffer)."""
+        self._lc.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
+
+    def decode_entries(self, entries: Sequence[tuple[int, int, int, Optional[int]]],
+                       wanted: dict[int, list[list[int]]]) -> dict[int, tuple[list[float], float]]:
+        """Decode (token, position, sequence, tag) entries in order, ``n_batch`` at a time; return the label
+        logits and label mass (``wanted[tag]``: each label's token variants) at each tagged entry."""
+        lc, batch, ctx = self._lc, self._batch, self._ctx
+        # Other sequence ids go into the batch: the serial fill must write its own again.
+        self._batch_seq_ready = False
+        out: dict[int, tuple[list[float], float]] = {}
+        for offset in range(0, len(entries), self.n_batch):
+            chunk = entries[offset : offset + self.n_batch]
+            batch.n_tokens = len(chunk)
+            for i, (token, pos, seq, tag) in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = pos
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = tag is not None
+            status = lc.llama_decode(ctx, batch)
+            if status != 0:
+                self.invalidate()
+                raise EngineError(f"llama_decode failed with status {status} (batched, {len(chunk)} tokens)")
+            for i, (_, _, _, tag) in enumerate(chunk):
+                if tag is not None:
+                    row = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,))
+                    out[tag] = _label_logits(row, wanted[tag])
+        return out
+
+    def settle_sequences(self, seq: int, segments: Sequence[Sequence[int]], n_used: int) -> None:
+        """After a batched step: sequence SEQ keeps ``segments`` (a prefix that sequence ``seq`` holds),
+        and sequences 1…n_used-1 are emptied, so the serial path and the next step start from SEQ alone."""
+        lc, memory = self._lc, self._memory
+        n_tokens = sum(len(s) for s in segments)
+        lc.llama_memory_seq_rm(memory, seq, n_tokens, -1)
+        if seq != SEQ:
+            lc.llama_memory_seq_rm(memory, SEQ, -1, -1)
+            lc.llama_memory_seq_cp(memory, seq, SEQ, -1, -1)
+        else:
+            lc.llama_memory_seq_rm(memory, SEQ, n_tokens, -1)
+        for other in range(1, n_used):
+            if other != SEQ:
+                lc.llama_memory_seq_rm(memory, other, -1, -1)
+        self._segments = [tuple(segment) for segment in segments]
+
     # ---- prefix snapshots (more than one prefix warm) --------------------------------------------
     #
     # The context holds one prefix; requests that alternate between prefixes (two routing tasks, two busy
