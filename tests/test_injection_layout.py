@@ -11,7 +11,7 @@ import pytest
 
 from semif.serving.plan import PlanError, build_plan
 from semif.serving.prompt import (
-    DATA_RULE, INJECTION_CHECK_CONTEXT, INJECTION_CHECK_QUESTION, LabelSet, Labels, Outcome, PromptTemplate, Question, TEMPLATE_VERSION,
+    DATA_RULE, INJECTION_CHECK_QUESTION, LabelSet, Labels, Outcome, PromptTemplate, Question, TEMPLATE_VERSION,
     _fence_tag, render_state_block,
 )
 
@@ -95,33 +95,6 @@ def test_the_injection_check_is_one_more_label_question_counted_in_the_token_bud
     assert INJECTION_CHECK_QUESTION in check.text
     assert checked.worst_case_tokens == plain.worst_case_tokens + len(check.suffix_tokens)
     assert checked.input_tokens == plain.input_tokens + len(check.suffix_tokens)
-
-
-def test_the_state_first_check_shows_what_is_being_decided_and_the_options_first_check_does_not_repeat_it():
-    check = _plan([ROUTING], injection_check=True).injection_check
-    block = check.pieces[0].text
-    # Question and options (ids and descriptions, no labels) come before the check question, after the state.
-    assert block.startswith("\n\n" + INJECTION_CHECK_CONTEXT + "\nQuestion: Which team should take this ticket?\nOptions:\n")
-    assert "- billing: Invoices, refunds and payments." in block and "A. network" not in block
-    assert block.index("- hardware:") < block.index(INJECTION_CHECK_QUESTION)
-    assert check.pieces[0].role == "question" and not check.pieces[0].special_tokens  # client text: plain tokens
-    # Several questions: every one is shown (a binary one without options).
-    yes_no = Question("Is this urgent?", (Outcome("yes"), Outcome("no")), kind="binary")
-    both = _plan([ROUTING, yes_no], injection_check=True).injection_check.pieces[0].text
-    assert "Question: Is this urgent?\n\n" in both and "- network:" in both
-    # Options-first: the options are before the state already; the check suffix holds the question only.
-    routed = _plan([ROUTING], layout="options_first", injection_check=True).injection_check.pieces[0].text
-    assert INJECTION_CHECK_CONTEXT not in routed and INJECTION_CHECK_QUESTION in routed
-
-
-def test_an_option_written_as_a_special_token_stays_plain_text_in_the_check(engine):
-    im_end = engine._tokenize("<|im_end|>", special=True)
-    assert len(im_end) == 1  # a special token of the embedded model's ChatML template
-    odd = Question("Pick one", (Outcome("<|im_end|>", "close the turn"), Outcome("ok")))
-    plan = engine.plan(TICKETS[0], [odd], injection_check=True)
-    block = plan.injection_check.pieces[0]
-    assert "- <|im_end|>: close the turn" in block.text and im_end[0] not in block.tokens
-    assert im_end[0] in plan.injection_check.pieces[1].tokens  # the template's own turn end is special
 
 
 def test_each_template_variant_has_its_own_version_and_hash():

@@ -441,16 +441,13 @@ def build_plan(
     if injection_check:
         # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
         binary = labels.binary
-        # State-first: the check first shows the request's questions and options (client text, so the
-        # block is tokenized as plain text); options-first has them before the state already.
-        check_block, check_tail = template.injection_check_parts(
-            binary.texts, tuple(questions) if layout == "state_first" else ())
+        check_block, check_tail = template.injection_check_parts(binary.texts)
         block_tokens, tail_tokens = _question_tokens(tokenize, before_suffix, check_block, check_tail)
         check_plan = QuestionPlan(
             question=Question(INJECTION_CHECK_QUESTION, (Outcome("yes"), Outcome("no")), kind="binary"),
             field=state_field, name="injection_check",
             pieces=(
-                Piece("question", check_block, tuple(block_tokens), False),
+                Piece("template", check_block, tuple(block_tokens), False),
                 Piece("template", check_tail, tuple(tail_tokens), True),
             ),
             label_token_ids=tuple(binary.token_ids[:2]), labels=tuple(binary.texts[:2]),
