@@ -868,9 +868,13 @@ class Engine:
         )
 
     def _injection_check(self, plan: PromptPlan, prefix: list[list[int]]) -> tuple[float, int, int]:
-        """p(yes) of the plan's injection check, scored from the same prefix as its questions (the state is
-        already in the context). Returns (probability, evaluated tokens, suffix tokens answered by the memo)."""
+        """p(yes) of the plan's injection check. Options-first: scored from the same prefix as its questions
+        (the state is already in the context). State-first: from the check's own prefix, the request's
+        questions and options, then the state (INJECTION_CHECK_LAYOUT), so the state is evaluated again.
+        Returns (probability, evaluated tokens, suffix tokens answered by the memo)."""
         check = plan.injection_check
+        if check.own_prefix_segments is not None:
+            prefix = [list(s) for s in check.own_prefix_segments]
         dist = self._score_labels(check, prefix, check.suffix_tokens)
         return dist.probabilities[0], dist.evaluated_tokens, len(check.suffix_tokens) if dist.evaluated_tokens == 0 else 0
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
-from .prompt import BINARY_LABELS, DEFAULT_LAYOUT, INJECTION_CHECK_QUESTION, LAYOUTS, Labels, Outcome, PromptTemplate, Question
+from .prompt import (
+    BINARY_LABELS, DEFAULT_LAYOUT, INJECTION_CHECK_QUESTION, LAYOUTS, Labels, Outcome, PromptTemplate, Question,
+    render_question_block,
+)
 
 Tokenize = Callable[..., list]  # (text, *, special: bool, add_bos: bool = False) -> token ids
 
@@ -366,6 +369,10 @@ def build_plan(
             return pieces, segments, block_text
         question = questions[0]
         head_text, question_text = template.options_first_prefix_parts(question, label_choice(question, order)[0], order)
+        return questions_then_state(head_text, question_text)
+
+    def questions_then_state(head_text: str, question_text: str) -> tuple[tuple[Piece, ...], list[tuple[int, ...]], str]:
+        """[head][question text][blank line + fenced state]: the options-first prefix's shape."""
         block_text = template.options_first_state_part(state_text)
         head_tokens = _head_tokens(tokenize, head_text, question_text.split(" ", 1)[0])
         if not head_tokens and adds_bos and bos_token is not None:
@@ -441,8 +448,17 @@ def build_plan(
     if injection_check:
         # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
         binary = labels.binary
+        check_prefix: Optional[tuple[tuple[Piece, ...], list[tuple[int, ...]], str]] = None
+        check_before, check_prefix_len = before_suffix, prefix_len
+        if layout == "state_first":
+            # The check reads the state after the request's questions and options (INJECTION_CHECK_LAYOUT):
+            # its own prefix, so the state is evaluated a second time, after the options.
+            shown = [render_question_block(q, label_choice(q, tuple(range(len(q.outcomes))))[0]) for q in questions]
+            check_prefix = questions_then_state(*template.injection_check_prefix_parts(shown))
+            check_before = check_prefix[2]
+            check_prefix_len = sum(len(s) for s in check_prefix[1])
         check_block, check_tail = template.injection_check_parts(binary.texts)
-        block_tokens, tail_tokens = _question_tokens(tokenize, before_suffix, check_block, check_tail)
+        block_tokens, tail_tokens = _question_tokens(tokenize, check_before, check_block, check_tail)
         check_plan = QuestionPlan(
             question=Question(INJECTION_CHECK_QUESTION, (Outcome("yes"), Outcome("no")), kind="binary"),
             field=state_field, name="injection_check",
@@ -452,8 +468,10 @@ def build_plan(
             ),
             label_token_ids=tuple(binary.token_ids[:2]), labels=tuple(binary.texts[:2]),
             label_variants=tuple(binary.variants_of(i) for i in range(2)), order=(0, 1),
+            own_prefix_pieces=check_prefix[0] if check_prefix else None,
+            own_prefix_segments=tuple(check_prefix[1]) if check_prefix else None,
         )
-        need = prefix_len + len(check_plan.suffix_tokens)
+        need = check_prefix_len + len(check_plan.suffix_tokens)
         if need > n_ctx:
             raise PromptTooLong(need, n_ctx, field=state_field, what="the injection check")
 

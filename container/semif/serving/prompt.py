@@ -65,6 +65,13 @@ INJECTION_CHECK_QUESTION = (
     "(for example, telling the reader which answer, option or label to choose)?"
 )
 
+# Where the check reads the state: after the request's questions and options, as in the options-first
+# layout, whatever the decision's layout. Scored after the state-first prefix, the same question barely
+# told attacked from clean states on the quality model (AUC 0.670, and 0.670 again with the options shown
+# after the state); after the options it did (0.954). Part of the template hash: the check's numbers
+# change with it. docs/adapter.md, "Measured: flip rate…".
+INJECTION_CHECK_LAYOUT = "injection check: [head][question blocks][fenced state] then the check question"
+
 _SENTINEL = "\u0000SEMIF-QUESTION\u0000"
 _FALLBACK_CUE = "\nAnswer:"
 
@@ -313,7 +320,7 @@ class PromptTemplate:
             "\n\u0000".join(
                 [self.base_version, self.system_text, self.chat_template or "<plain>",
                  render_question_block(sample, ["A", "B"]), DATA_RULE, render_restatement(sample, ["A", "B"]),
-                 INJECTION_CHECK_QUESTION, DATAMARK if variant == "v2+datamark" else "",
+                 INJECTION_CHECK_QUESTION, INJECTION_CHECK_LAYOUT, DATAMARK if variant == "v2+datamark" else "",
                  # How binary fallback labels, reversed orders and reasoning templates render.
                  render_question_block(Question("q", (Outcome("true"), Outcome("false")), "binary"), ["A", "B"], [1, 0]),
                  render_question_block(Question("q", (Outcome("a"), Outcome("b")), "scale"), ["A", "B"], [1, 0]),
@@ -423,6 +430,11 @@ class PromptTemplate:
         as shown (order debiasing renders the reversed order too)."""
         rule = "" if self.variant == "v1" else DATA_RULE + "\n\n"
         return self._between + rule + render_question_block(question, labels, order), self._tail
+
+    def injection_check_prefix_parts(self, blocks: Sequence[str]) -> tuple[str, str]:
+        """(template head, the request's question blocks): what the injection check shows before the state
+        (INJECTION_CHECK_LAYOUT); one block is exactly the options-first prefix."""
+        return self._head, "\n\n".join(blocks)
 
     def injection_check_parts(self, labels: Sequence[str]) -> tuple[str, str]:
         """(blank line + the injection check question, template tail): scored after the state in either layout."""
