@@ -7,6 +7,13 @@ first. The label memo is off in both, and every request differs from every other
 recalled: what differs is only whether a prefix the other task evicted comes back from RAM or is
 evaluated again. Prints p50/p95 per server and the ratio with / without, measured in this one run.
 
+With --llama-server BINARY, upstream llama-server (tools/bench_llama_server.py's LlamaServer: same model,
+threads, context and batch sizes, one slot, its default host-memory prompt cache `--cache-ram 8192`, which
+keeps prompts in RAM as the adapter's snapshots do) answers every request too, with the adapter's exact
+prompt text (`return_prompt`) through `/completion` (`n_predict` 1, `cache_prompt` on). It goes between
+the two adapters on every step, so the VM's drift falls on all three alike; its cached share is
+`timings.cache_n` over the prompt's tokens.
+
 Scenarios (--layout):
   state_first    two busy states (~300-token tickets), A and B alternating, a different question each
                  time: the state prefix is what alternates.
@@ -16,6 +23,7 @@ Scenarios (--layout):
 
 usage: python tools/bench_prefix_cache.py [--model GGUF] [--layout state_first|options_first]
                                           [--requests N] [--options N] [--cache-mb MB] [--json OUT]
+                                          [--llama-server BINARY]
 """
 
 from __future__ import annotations
@@ -99,7 +107,10 @@ def main() -> int:
     parser.add_argument("--cache-mb", type=float, default=None, help="SEMIF_PREFIX_CACHE_MB of the cached server")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--llama-server", type=Path, help="also time upstream llama-server (make llama-server)")
     args = parser.parse_args()
+    if args.llama_server is not None and not args.llama_server.is_file():
+        parser.error(f"--llama-server {args.llama_server}: no such file (build it with `make llama-server`)")
 
     sys.path.insert(0, str(REPO / "container"))
     from semif.serving.config import embedded_model_path
@@ -110,36 +121,58 @@ def main() -> int:
     servers = {"with snapshots": BenchServer(model, **cached_env),
                "without": BenchServer(model, **common, SEMIF_PREFIX_CACHE_MB=0)}
     bodies = requests(args.layout, WARMUP + args.requests, args.options)
-    times = {name: [] for name in servers}
-    cached = {name: [] for name in servers}
+    upstream = None
+    if args.llama_server is not None:
+        from bench_llama_server import LlamaServer
+
+        upstream = LlamaServer(args.llama_server, model, args.threads, REPO / ".build" / "bench-prefix-llama-server.log")
+    names = list(servers) + (["llama-server"] if upstream is not None else [])
+    times = {name: [] for name in names}
+    cached = {name: [] for name in names}
     try:
         for step, body in enumerate(bodies):
             order = list(servers) if step % 2 == 0 else list(servers)[::-1]
-            for name in order:
-                ms, answer = servers[name].invoke_ms(body)
+            prompt_text = None
+            for position, name in enumerate(order):
+                ms, answer = servers[name].invoke_ms({**body, "return_prompt": True})
                 if args.layout == "options_first" and "options" not in answer["prompt"]["template_version"].replace("_", "-"):
                     raise SystemExit(f"the server did not use the options-first layout: {answer['prompt']['template_version']}")
                 if step >= WARMUP:
                     times[name].append(ms)
                     cached[name].append(answer["prompt"]["cached_tokens"] / answer["prompt"]["tokens"])
+                prompt_text = prompt_text or answer["prompt"]["text"]
+                if upstream is not None and position == 0:
+                    ms, reply = upstream.post_ms("/completion", {"prompt": prompt_text, "n_predict": 1, "cache_prompt": True,
+                                                                 "temperature": 0})
+                    timings = reply.get("timings", {})
+                    if step >= WARMUP:
+                        times["llama-server"].append(ms)
+                        n_cached, n_new = timings.get("cache_n", 0), timings.get("prompt_n", 0)
+                        cached["llama-server"].append(n_cached / max(n_cached + n_new, 1))
             print(f"\r{step + 1}/{len(bodies)} requests per server", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
     finally:
         for server in servers.values():
             server.close()
+        if upstream is not None:
+            upstream.close()
 
     load = os.getloadavg()[0]
     print(f"model {model.name}, {args.threads} threads, layout {args.layout}, two prefixes alternating, "
           f"{args.requests} timed requests per server, load average {load:.1f}")
     figures = {"model": model.name, "layout": args.layout, "requests": args.requests, "load": load}
     print(f"{'server':<18}{'p50 ms':>10}{'p95 ms':>10}{'cached share':>14}")
-    for name in servers:
+    for name in names:
         figures[name] = {"p50_ms": pct(times[name], 50), "p95_ms": pct(times[name], 95),
                          "cached_share": float(np.mean(cached[name]))}
         print(f"{name:<18}{figures[name]['p50_ms']:>10.1f}{figures[name]['p95_ms']:>10.1f}{figures[name]['cached_share']:>14.2f}")
     ratio = figures["with snapshots"]["p50_ms"] / figures["without"]["p50_ms"]
     figures["with_over_without_p50"] = ratio
     print(f"p50 with snapshots / without: {ratio:.3f}")
+    if upstream is not None:
+        versus = figures["with snapshots"]["p50_ms"] / figures["llama-server"]["p50_ms"]
+        figures["with_snapshots_over_llama_server_p50"] = versus
+        print(f"p50 adapter with snapshots / llama-server (--cache-ram default): {versus:.3f}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
     return 0
