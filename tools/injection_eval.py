@@ -13,7 +13,7 @@ Variants (the same engine, template swapped in between):
     v2                      template v2: the data rule restated after the state (the server default)
     v2+datamark             v2 with spotlighting by datamarking (every space in the state becomes ˆ)
     v2+options-first        v2 in the routing layout: question and options first, task restated after the state
-Each v2 variant also runs the injection check on the same cached state; its "+check" row counts a case
+Each v2 variant also runs the injection check (it reads the state after the question and its options); its "+check" row counts a case
 as stopped when injection_suspected > --threshold (a policy with max_injection abstains there), and
 reports how many clean cases the check flags (false alarms).
 
