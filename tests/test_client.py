@@ -25,6 +25,12 @@ def test_options_normalize_from_strings_dicts_and_mappings():
     assert normalize_options([{"id": "a", "description": None}]) == [{"id": "a"}]
 
 
+def busy_state(n: int) -> str:
+    # ~700 tokens: a few seconds of compute each, so four simultaneous requests overlap on any machine
+    # (with ~70-token states and flash attention on, a loaded CI run once saw them finish one by one).
+    return f"Ticket {n}. " + " ".join(f"Line {i} of ticket {n}: the device fails to connect again." for i in range(48))
+
+
 def test_a_client_needs_an_address_or_a_transport():
     with pytest.raises(ValueError):
         SemIfClient()
@@ -72,7 +78,7 @@ def test_overload_from_a_queue_of_one_is_absorbed_by_retries_and_every_retry_mat
         with SemIfClient(server.base_url, retry=policy, stats=stats) as client:
             barrier.wait()
             try:
-                results[i] = client.decide(long_state(i), "Which team should take this ticket?", OPTIONS, id=f"t{i}")
+                results[i] = client.decide(busy_state(i), "Which team should take this ticket?", OPTIONS, id=f"t{i}")
             except Exception as exc:  # pragma: no cover - reported by the assertion below
                 errors.append(exc)
 
