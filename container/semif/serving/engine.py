@@ -652,11 +652,8 @@ class Engine:
         if seq != SEQ:
             lc.llama_memory_seq_rm(memory, SEQ, -1, -1)
             lc.llama_memory_seq_cp(memory, seq, SEQ, -1, -1)
-        else:
-            lc.llama_memory_seq_rm(memory, SEQ, n_tokens, -1)
-        for other in range(1, n_used):
-            if other != SEQ:
-                lc.llama_memory_seq_rm(memory, other, -1, -1)
+        for other in range(1, n_used):  # SEQ is 0: every borrowed sequence, ``seq`` included
+            lc.llama_memory_seq_rm(memory, other, -1, -1)
         self._segments = [tuple(segment) for segment in segments]
 
     # ---- prefix snapshots (more than one prefix warm) --------------------------------------------
