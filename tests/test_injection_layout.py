@@ -66,9 +66,13 @@ def test_the_options_first_prefix_is_the_same_for_every_state_and_the_layout_nev
     assert first == again
     other = _plan([ROUTING], state=TICKETS[1], layout="options_first")
     head, question = first.prefix_pieces[0].tokens, first.prefix_pieces[1].tokens
-    n_shared = 1 + -(-len(question) // 64)  # the head segment, then the question in blocks of n_batch
+    # The head segment, then the question block and the fence opener (blank line, `<state>`, newline) in
+    # blocks of n_batch: the same for every state.
+    n_shared = first.shared_segments
+    opener = first.prefix_pieces[2].tokens[: first.shared_tokens - len(head + question)]
+    assert opener == tuple(_bytes("\n\n<state>\n", special=False))
     assert other.prefix_segments[:n_shared] == first.prefix_segments[:n_shared]
-    assert [t for seg in first.prefix_segments[:n_shared] for t in seg] == list(head + question)
+    assert [t for seg in first.prefix_segments[:n_shared] for t in seg] == list(head + question + opener)
     assert other.prefix_segments[n_shared:] != first.prefix_segments[n_shared:]
 
 
@@ -166,9 +170,12 @@ def test_consecutive_different_states_reuse_the_options_prefix(engine):
     assert first.cached_tokens == 0 and first.evaluated_tokens == first.tokens
     for ticket in TICKETS[1:]:
         dist = engine.score(ticket, [ROUTING], layout="options_first").distributions[0]
-        # Only the new state and the restated task are evaluated: head and options come from the context.
-        assert dist.cached_tokens == n_head + n_question
-        assert dist.evaluated_tokens == dist.tokens - n_head - n_question
+        # Only the new state and the restated task are evaluated: head, options and the fence opener
+        # (blank line, `<state>`, newline: a few tokens of the state piece) come from the context.
+        opener = plan.shared_tokens - n_head - n_question
+        assert 0 < opener <= 8 and opener < n_state
+        assert dist.cached_tokens == n_head + n_question + opener
+        assert dist.evaluated_tokens == dist.tokens - n_head - n_question - opener
     # State-first re-evaluates the options for each state: more tokens per ticket.
     sf = engine.score(TICKETS[0], [ROUTING], layout="state_first").distributions[0]
     engine.score(TICKETS[0], [ROUTING], layout="options_first")

@@ -113,7 +113,7 @@ def test_consecutive_lines_that_share_a_state_reuse_its_prefix(client, engine):
     out = answer_lines(post_lines(client, lines))
     _, segments = engine.prefix_segments(state)
     state_prefix = sum(len(s) for s in segments)
-    head = len(segments[0])
+    head = engine.plan(state, []).shared_tokens
     first, second, third, distinct = (line["prompt"] for line in out)
     assert first["cached_tokens"] <= head < state_prefix  # at most the constant template head was held
     for reused in (second, third):

@@ -113,6 +113,23 @@ def test_a_plans_pieces_tokenize_exactly_like_the_whole_prompt_text(vocab, scori
                 assert prefix + part.suffix_tokens == whole, (state, part.text)
 
 
+def test_the_fence_opener_is_a_segment_of_its_own_that_states_share_where_the_tokens_split_there(vocab):
+    """The `<state>` line before the state is the same for every state, so the plan evaluates it as its own
+    segment (the next state reuses it). It is split off only where the whole prompt's tokens split there
+    (the test above checks the concatenation): a state that starts with whitespace may merge with it."""
+    plans = {state: vocab.plan(state, [ROUTE]) for state in STATES}
+    split = {state: p for state, p in plans.items() if p.shared_segments == 2}
+    assert all(state in split for state in STATES if not state[0].isspace())
+    assert len({p.prefix_segments[:2] for p in split.values()}) == 1
+    for plan in split.values():
+        opener = plan.prefix_segments[1]
+        assert plan.prefix_segments[0] == plan.prefix_pieces[0].tokens
+        assert plan.prefix_pieces[1].tokens[: len(opener)] == opener and 0 < len(opener) <= 8
+    for state, plan in plans.items():
+        if state not in split:
+            assert plan.shared_segments == 1 and plan.prefix_segments[1] == plan.prefix_pieces[1].tokens[:len(plan.prefix_segments[1])]
+
+
 @pytest.mark.parametrize("name", ["smollm2-bpe-plain", "gemma-spm-space-prefix-inst"])
 def test_tokenizing_each_piece_alone_is_not_the_whole_prompt_but_the_plans_pieces_are(name):
     """Why the plan tokenizes pieces with their neighbours. BPE: the plain layout's head ends in a

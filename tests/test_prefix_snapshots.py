@@ -120,7 +120,7 @@ def test_a_restore_must_spare_enough_evaluation_to_be_worth_it(snapshots_on):
     short_a, short_b = "Printer jams.", "VPN drops."
     for state in (short_a, short_b, short_a, short_b):
         engine.score(state, [ROUTE])
-    head = len(engine.plan(short_a, []).prefix_segments[0])
+    head = engine.plan(short_a, []).shared_tokens
     assert engine.plan(short_a, []).state_tokens - head < PREFIX_SNAPSHOT_MIN_TOKENS
     restores = engine.prefix_restores
     engine.score(short_a, [URGENT])

@@ -107,8 +107,8 @@ def test_memo_hit_then_a_reevaluated_prefix_reports_only_the_tokens_really_reuse
     remembered, computed = result.distributions
     assert remembered.evaluated_tokens == 0  # question 0: from the memo
     assert computed.evaluated_tokens > 0  # question 1 had to evaluate the state again
-    head = len(engine.plan(STATE, []).prefix_segments[0])
-    assert result.state_cached_tokens == head  # only the system head was in the context
+    head = engine.plan(STATE, []).shared_tokens
+    assert result.state_cached_tokens == head  # only the system head and the fence opener were in the context
     route_suffix = remembered.tokens - result.state_tokens
     assert result.cached_tokens == head + route_suffix  # not the whole prefix, as question 0 alone suggests
     assert result.state_cached_tokens < result.state_tokens

@@ -391,7 +391,7 @@ def build_native_plan(
     result = PromptPlan(
         state_text=state_text, scoring="label", template_version=native.template_version,
         prefix_pieces=prefix_pieces, prefix_segments=tuple(segments), questions=tuple(planned),
-        return_prompt=return_prompt,
+        shared_segments=1 if head else 0, return_prompt=return_prompt,
     )
     if max_request_tokens is not None and result.worst_case_tokens > max_request_tokens:
         raise TokenBudgetExceeded(result.worst_case_tokens, max_request_tokens, field=budget_field)

@@ -141,6 +141,9 @@ class PromptPlan:
     # block(s), state blocks; the leading head + question segments are what stays cached across states.
     prefix_segments: tuple[tuple[int, ...], ...]
     questions: tuple[QuestionPlan, ...]
+    # How many leading prefix segments are the same for every state: the template head and the fence
+    # opener (state_first), or the head and the question block with the opener (options_first).
+    shared_segments: int = 1
     return_prompt: bool = False
     layout: str = DEFAULT_LAYOUT
     # The injection check (issue #11 §4): a yes/no question label-scored from the same prefix as the
@@ -162,6 +165,11 @@ class PromptPlan:
     @property
     def state_tokens(self) -> int:
         return sum(len(s) for s in self.prefix_segments)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Prefix tokens that do not depend on the state (see ``shared_segments``)."""
+        return sum(len(s) for s in self.prefix_segments[: self.shared_segments])
 
     @property
     def _all_questions(self) -> tuple[QuestionPlan, ...]:
@@ -237,6 +245,23 @@ def _head_tokens(tokenize: Tokenize, head: str, fence_open: str) -> list:
     if fence and joint[-len(fence):] == fence:
         return joint[: -len(fence)]
     return alone
+
+
+def _split_fence_opener(tokenize: Tokenize, before: str, block_text: str, block_tokens: Sequence[int]) -> tuple[list, list]:
+    """(fence opener tokens, the rest of the state block's tokens): the block's text up to the newline
+    after its opening tag (`<state>` and that newline, with any blank line before it) is the same for
+    almost every state, so the plan evaluates it as a segment of its own that the next state reuses
+    (tools/bench_decode_account.py measured it: these tokens were most of what upstream llama-server's
+    token-level prefix reuse spared and the adapter did not). Split only where the block's own tokens
+    start with the opener's tokens in context, so the prompt's tokens never change; else (a state that
+    starts with whitespace merging into the newline) nothing is split off."""
+    end = block_text.find("\n", block_text.find(">") + 1)
+    if end < 0:
+        return [], list(block_tokens)
+    opener = _tokenize_after(tokenize, before, block_text[: end + 1], special=False)
+    if opener and len(opener) < len(block_tokens) and list(block_tokens[: len(opener)]) == opener:
+        return opener, list(block_tokens[len(opener):])
+    return [], list(block_tokens)
 
 
 def _question_tokens(tokenize: Tokenize, before: str, block: str, tail: str) -> tuple[list, list]:
@@ -352,9 +377,10 @@ def build_plan(
     def blocks(tokens: Sequence[int]) -> list[tuple[int, ...]]:
         return [tuple(tokens[i : i + n_batch]) for i in range(0, len(tokens), n_batch)]
 
-    def make_prefix(order: Optional[tuple[int, ...]]) -> tuple[tuple[Piece, ...], list[tuple[int, ...]], str]:
-        """(pieces, segments, text right before the question suffix) of the shared prefix. ``order``:
-        options-first only, the order the options are shown in before the state."""
+    def make_prefix(order: Optional[tuple[int, ...]]) -> tuple[tuple[Piece, ...], list[tuple[int, ...]], str, int]:
+        """(pieces, segments, text right before the question suffix, how many leading segments are the same
+        for every state) of the shared prefix. ``order``: options-first only, the order the options are
+        shown in before the state."""
         if layout == "state_first":
             head_text, block_text = template.state_prefix_parts(state_text)
             head_tokens = _head_tokens(tokenize, head_text, block_text[: block_text.index(">")])
@@ -365,13 +391,14 @@ def build_plan(
                 Piece("template", head_text, tuple(head_tokens), True),
                 Piece("state", block_text, tuple(state_tokens), False),
             )
-            segments = ([tuple(head_tokens)] if head_tokens else []) + blocks(state_tokens)
-            return pieces, segments, block_text
+            opener, rest = _split_fence_opener(tokenize, head_text, block_text, state_tokens)
+            lead = ([tuple(head_tokens)] if head_tokens else []) + ([tuple(opener)] if opener else [])
+            return pieces, lead + blocks(rest), block_text, len(lead)
         question = questions[0]
         head_text, question_text = template.options_first_prefix_parts(question, label_choice(question, order)[0], order)
         return questions_then_state(head_text, question_text)
 
-    def questions_then_state(head_text: str, question_text: str) -> tuple[tuple[Piece, ...], list[tuple[int, ...]], str]:
+    def questions_then_state(head_text: str, question_text: str) -> tuple[tuple[Piece, ...], list[tuple[int, ...]], str, int]:
         """[head][question text][blank line + fenced state]: the options-first prefix's shape."""
         block_text = template.options_first_state_part(state_text)
         head_tokens = _head_tokens(tokenize, head_text, question_text.split(" ", 1)[0])
@@ -386,10 +413,13 @@ def build_plan(
             Piece("question", question_text, tuple(question_tokens), False),
             Piece("state", block_text, tuple(state_tokens), False),
         )
-        segments = ([tuple(head_tokens)] if head_tokens else []) + blocks(question_tokens) + blocks(state_tokens)
-        return pieces, segments, block_text
+        # The fence opener (blank line, `<state>`, newline) is the same for every state: it goes with the
+        # question block, so it stays cached across states too.
+        opener, rest = _split_fence_opener(tokenize, question_text, block_text, state_tokens)
+        lead = ([tuple(head_tokens)] if head_tokens else []) + blocks(question_tokens + opener)
+        return pieces, lead + blocks(rest), block_text, len(lead)
 
-    prefix_pieces, segments, before_suffix = make_prefix(tuple(range(len(questions[0].outcomes))) if questions else ())
+    prefix_pieces, segments, before_suffix, n_shared = make_prefix(tuple(range(len(questions[0].outcomes))) if questions else ())
     prefix_len = sum(len(s) for s in segments)
     state_len = len(prefix_pieces[-1].tokens)
 
@@ -427,7 +457,7 @@ def build_plan(
                 plan = replace(plan, reversed=plan_question(question, field, name, given[::-1], before_suffix))
             else:
                 # Options-first: the reversed options are their own cached block, and the state follows it.
-                r_pieces, r_segments, r_before = make_prefix(given[::-1])
+                r_pieces, r_segments, r_before, _ = make_prefix(given[::-1])
                 r_plan = replace(plan_question(question, field, name, given[::-1], r_before),
                                  own_prefix_pieces=r_pieces, own_prefix_segments=tuple(r_segments))
                 plan = replace(plan, reversed=r_plan)
@@ -448,7 +478,7 @@ def build_plan(
     if injection_check:
         # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
         binary = labels.binary
-        check_prefix: Optional[tuple[tuple[Piece, ...], list[tuple[int, ...]], str]] = None
+        check_prefix: Optional[tuple[tuple[Piece, ...], list[tuple[int, ...]], str, int]] = None
         check_before, check_prefix_len = before_suffix, prefix_len
         if layout == "state_first":
             # The check reads the state after the request's questions and options (INJECTION_CHECK_LAYOUT):
@@ -481,6 +511,7 @@ def build_plan(
         template_version=template.version(layout),
         prefix_pieces=prefix_pieces,
         prefix_segments=tuple(segments),
+        shared_segments=n_shared,
         questions=tuple(planned),
         return_prompt=return_prompt,
         layout=layout,
