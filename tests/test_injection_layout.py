@@ -21,7 +21,6 @@ ROUTING = Question(
      Outcome("hardware", "Broken or missing laptops, monitors, keyboards."),
      Outcome("billing", "Invoices, refunds and payments.")),
 )
-URGENT = Question("Is this ticket urgent?", (Outcome("yes"), Outcome("no")), kind="binary")
 TICKETS = ["The VPN disconnects every ten minutes when I work from home.",
            "My laptop screen flickers and the left hinge is cracked.",
            "I was charged twice for the March invoice; please refund one."]
@@ -258,46 +257,6 @@ def test_a_fused_routing_decision_is_one_segment_exact_when_cached_and_close_to_
     assert split.evaluated_tokens > 0
 
 
-def test_state_first_fuses_a_single_question_only_when_the_server_says_so():
-    assert _plan([ROUTING], fuse_single_question=True).fuse_state_and_question
-    assert not _plan([ROUTING]).fuse_state_and_question  # the default: the next request may reuse the state
-    for kwargs in ({"injection_check": True}, {"debias": "reverse"}):
-        assert not _plan([ROUTING], fuse_single_question=True, **kwargs).fuse_state_and_question
-    assert not _plan([ROUTING, ROUTING], fuse_single_question=True).fuse_state_and_question  # the state is shared
-    assert _plan([ROUTING], fuse_single_question=True).prefix_segments == _plan([ROUTING]).prefix_segments
-
-
-def test_a_fused_state_first_decision_is_exact_when_cached_and_a_later_question_evaluates_the_state_again(engine):
-    engine.invalidate()
-    engine.fuse_single_question, engine.label_memo = True, False  # every answer below is computed
-    try:
-        engine.score(TICKETS[2], [ROUTING])  # the template head and fence opener are now cached
-        plan = engine.plan(TICKETS[0], [ROUTING])
-        assert plan.fuse_state_and_question
-        fused = engine.execute(plan)
-        last_state_block, suffix = plan.prefix_segments[-1], tuple(plan.questions[0].suffix_tokens)
-        assert engine._segments[-1] == last_state_block + suffix  # one llama_decode for state and question
-        assert fused.distributions[0].cached_tokens == plan.shared_tokens
-        engine.prefix_cache = False
-        try:
-            cold = engine.execute(plan)
-        finally:
-            engine.prefix_cache = True
-        assert cold.distributions[0].cached_tokens == 0
-        assert fused.distributions[0].option_logits == pytest.approx(cold.distributions[0].option_logits, abs=1e-6)
-        # Two questions share the state: not fused, and the state the fused request held is not reused.
-        both = engine.score(TICKETS[0], [ROUTING, URGENT])
-        assert both.state_cached_tokens == plan.shared_tokens
-        assert both.distributions[0].evaluated_tokens == both.distributions[0].tokens - plan.shared_tokens
-        diff = np.max(np.abs(np.array(both.distributions[0].option_logits) - fused.distributions[0].option_logits))
-        # Other batch shapes: equal here (this engine runs without flash attention); with it on, whose CPU
-        # kernel accumulates in half precision, 0.07 logit on this ticket and up to 0.22 seen on others.
-        assert diff < 0.5
-    finally:
-        engine.fuse_single_question, engine.label_memo = False, True
-    assert not engine.plan(TICKETS[0], [ROUTING]).fuse_state_and_question
-
-
 def test_the_injection_check_equals_p_yes_of_its_prompt_evaluated_from_scratch(engine, model_path):
     import llama_cpp
 
@@ -431,16 +390,3 @@ def test_policy_max_injection_is_inclusive_and_fails_safe_without_a_check():
     with pytest.raises(PolicyError) as error:
         Policy.from_mapping({"max_injection": 2})
     assert error.value.field == "policy.max_injection"
-
-
-def test_semif_fuse_single_question_is_read_from_the_environment_and_named_in_the_model_record(tmp_path, engine):
-    from semif.serving.config import Settings, SettingsError
-
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
-    env = {"SEMIF_MODEL_PATH": str(model)}
-    assert Settings.from_env(env).fuse_single_question is False
-    assert Settings.from_env({**env, "SEMIF_FUSE_SINGLE_QUESTION": "1"}).fuse_single_question is True
-    with pytest.raises(SettingsError, match="SEMIF_FUSE_SINGLE_QUESTION"):
-        Settings.from_env({**env, "SEMIF_FUSE_SINGLE_QUESTION": "sometimes"})
-    assert engine.info["fuse_single_question"] is False  # every answer's model record says how it was decoded

@@ -124,10 +124,6 @@ class Settings:
     # depends on the batch it was computed in. n_seq is read only when batching is on.
     batching: bool = False
     n_seq: int = 4
-    # State-first single-question label requests decode the state and the question as one segment (as
-    # options-first routing always does): one llama_decode instead of two, at the price of reusing the
-    # state across requests (docs/configuration.md). Off by default.
-    fuse_single_question: bool = False
 
     @property
     def served_model_name(self) -> str:
@@ -198,7 +194,6 @@ class Settings:
             debias=debias,
             batching=batching,
             n_seq=n_seq,
-            fuse_single_question=_bool(env, "SEMIF_FUSE_SINGLE_QUESTION", False),
         )
 
 

@@ -234,7 +234,6 @@ class Engine:
         model_sha256: Optional[str] = None,
         verbose: bool = False,
         n_seq: int = 1,
-        fuse_single_question: bool = False,
     ):
         import llama_cpp  # imported here so the HTTP layer and tools import without a compiled library
 
@@ -243,8 +242,6 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.label_memo = label_memo
         self.default_scoring = default_scoring
-        # SEMIF_FUSE_SINGLE_QUESTION: see plan.build_plan (``fuse_single_question``).
-        self.fuse_single_question = fuse_single_question
         self.sha256 = model_sha256 or sha256_file(self.model_path)
         started = time.perf_counter()
         if n_ctx is None:
@@ -346,7 +343,6 @@ class Engine:
             "llama_cpp_build": self._llama_build(),
             "n_gpu_layers": self.n_gpu_layers,
             "flash_attn": bool(flash_attn),
-            "fuse_single_question": bool(fuse_single_question),
             "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
             "hardware": (_gpu_name() if llama_cpp.llama_supports_gpu_offload() else None) or _cpu_name(),
             "n_ctx": self.n_ctx,
@@ -477,7 +473,6 @@ class Engine:
             budget_field=budget_field, max_request_tokens=max_request_tokens, return_prompt=return_prompt,
             layout=layout, injection_check=injection_check, layout_field=layout_field,
             debias=debias, end_of_turn_token=self.end_of_turn_token,
-            fuse_single_question=getattr(self, "fuse_single_question", False),
         )
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:

@@ -154,11 +154,8 @@ class PromptPlan:
     # debiasing): the state's last block and the question suffix are evaluated as one segment. Nothing
     # could reuse the state there (the state comes after the options, so another question means another
     # prefix, and an exact repeat is answered by the label memo), and one llama_decode instead of two took
-    # 0.81x the time of a routing decision in-process (docs/adapter.md). State-first plans fuse under the
-    # same conditions when the server says so (SEMIF_FUSE_SINGLE_QUESTION): then the next request about
-    # the same state evaluates it again. Decided by the request and the server's setting alone, never by
-    # the cache, so the answer does not depend on what the context happened to hold (the exactness rule
-    # in engine.py).
+    # 0.81x the time of a routing decision in-process (docs/adapter.md). Decided by the request alone, never by the cache, so the answer does not
+    # depend on what the context happened to hold (the exactness rule in engine.py).
     fuse_state_and_question: bool = False
 
     @property
@@ -334,7 +331,6 @@ def build_plan(
     layout_field: str = "layout",
     debias: str = "none",
     end_of_turn_token: Optional[int] = None,
-    fuse_single_question: bool = False,
 ) -> PromptPlan:
     """``layout``: "state_first" (the default) or "options_first" (single-question requests only: a plan
     with several questions is refused with a PlanError naming ``layout_field``; contracts and the HTTP
@@ -342,10 +338,7 @@ def build_plan(
 
     Pieces are tokenized with their neighbours so that their tokens equal the whole prompt's
     (_head_tokens, _tokenize_after, _question_tokens; tests/test_labels_debias.py checks BPE and
-    SentencePiece vocabularies).
-
-    ``fuse_single_question`` (SEMIF_FUSE_SINGLE_QUESTION): a state-first plan fuses its state and question
-    under the same conditions as options-first routing (PromptPlan.fuse_state_and_question)."""
+    SentencePiece vocabularies)."""
     fields = list(question_fields) if question_fields is not None else [f"questions[{i}]" for i in range(len(questions))]
     names = list(question_names) if question_names is not None else [str(i) for i in range(len(questions))]
     if layout not in LAYOUTS:
@@ -524,8 +517,8 @@ def build_plan(
         layout=layout,
         injection_check=check_plan,
         debias=debias,
-        fuse_state_and_question=((layout == "options_first" or fuse_single_question) and scoring == "label"
-                                 and debias == "none" and check_plan is None and len(planned) == 1),
+        fuse_state_and_question=(layout == "options_first" and scoring == "label" and debias == "none"
+                                 and check_plan is None and len(planned) == 1),
     )
     if max_request_tokens is not None and result.worst_case_tokens > max_request_tokens:
         raise TokenBudgetExceeded(result.worst_case_tokens, max_request_tokens, field=budget_field)

@@ -45,7 +45,6 @@ def build_app(settings: Settings):
         default_scoring=settings.scoring,
         model_sha256=digest,
         n_seq=settings.n_seq if settings.batching else 1,
-        fuse_single_question=settings.fuse_single_question,
     )
     engine.default_debias = settings.debias  # the server default; requests may override it (`debias`)
     if settings.require_gpu and not (engine.info["gpu_offload"] and engine.n_gpu_layers != 0):
