@@ -11,6 +11,9 @@ held-out decision (a state neither side has seen), in one run:
               (``prompt_n`` tokens evaluated after its prompt cache, ``prompt_ms``)
   one batch   the same engine evaluating the same tokens as one segment (what llama-server does),
               alternating with the segmented evaluation, cache off: the cost of the extra call
+  empty       on the first --empty-pairs cases: the whole prompt as one batch from an empty context,
+              engine against llama-server (cache_prompt off): the kernels alone, with no reuse on
+              either side
 
 and prints the medians: tokens evaluated, milliseconds per evaluated token, and the ratios. Flash
 attention is the same on both sides (``--flash-attn``). Not a timed test; figures go in
@@ -63,6 +66,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--flash-attn", choices=("on", "off"), default="on", help="both sides (adapter default: on)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="an extra llama-server argument (repeatable), e.g. --server-arg=--cache-ram --server-arg=0")
+    parser.add_argument("--empty-pairs", type=int, default=12, metavar="N",
+                        help="on the first N cases, also time the whole prompt as one batch from an empty context on "
+                             "both sides (llama-server with cache_prompt off): the kernels alone, no reuse (0: skip)")
     args = parser.parse_args()
     if not args.server.is_file():
         raise SystemExit(f"no llama-server at {args.server}: run `make llama-server` first")
@@ -72,10 +80,10 @@ def main() -> int:
                     prefix_cache_mb=0, flash_attn=args.flash_attn == "on")
     timed = engine._lc = TimedDecode(engine._lc)
     server = LlamaServer(args.server, model, args.threads, Path("/tmp/bench_decode_account_llama_server.log"),
-                         ("-fa", args.flash_attn))
+                         ("-fa", args.flash_attn, *args.server_arg))
     rows = {"engine_tokens": [], "engine_ms_per_token": [], "engine_decode_ms": [],
             "server_tokens": [], "server_ms_per_token": [], "server_prompt_ms": [],
-            "segmented_ms": [], "one_batch_ms": []}
+            "segmented_ms": [], "one_batch_ms": [], "empty_engine_ms": [], "empty_server_ms": []}
     try:
         warm = "Warm-up: the printer on floor 2 is out of toner."
         for index, case in enumerate(cases):
@@ -120,6 +128,23 @@ def main() -> int:
                 else:
                     engine._forward(segments, [len(tokens) - 1])
                 rows["one_batch_ms" if one else "segmented_ms"].append((time.perf_counter() - started) * 1000)
+            if index < args.empty_pairs:
+                # The whole prompt, one batch, nothing cached, on both sides: the same text, so the same tokens.
+                same = [t for s in text_plan.prefix_segments for t in s] + list(text_plan.questions[0].suffix_tokens)
+
+                def engine_empty():
+                    engine.invalidate()
+                    started = time.perf_counter()
+                    engine._decode(same, {len(same) - 1})
+                    rows["empty_engine_ms"].append((time.perf_counter() - started) * 1000)
+
+                def server_empty():
+                    _, answer = server.post_ms("/completion", {"prompt": text, "n_predict": 1, "temperature": 0,
+                                                               "cache_prompt": False})
+                    rows["empty_server_ms"].append(answer["timings"]["prompt_ms"])
+
+                for run in ((engine_empty, server_empty) if index % 2 == 0 else (server_empty, engine_empty)):
+                    run()
             engine.invalidate()
             engine.execute(engine.plan(warm, [question]))  # the head cached again, as in serving
             print(f"\r{index + 1}/{len(cases)}", end="", file=sys.stderr, flush=True)
@@ -127,7 +152,7 @@ def main() -> int:
         print(file=sys.stderr)
         server.close()
         engine.close()
-    med = {name: statistics.median(values) for name, values in rows.items()}
+    med = {name: statistics.median(values) for name, values in rows.items() if values}
     print(f"model {model.name}, {args.threads} threads, flash attention {args.flash_attn} (both sides), "
           f"{len(cases)} cold decisions")
     print(f"tokens evaluated per decision     engine {med['engine_tokens']:.1f}   llama-server {med['server_tokens']:.1f}"
@@ -138,9 +163,13 @@ def main() -> int:
           f"{med['server_prompt_ms']:.1f}   ratio {med['engine_decode_ms'] / med['server_prompt_ms']:.3f}")
     print(f"segmented / one batch (cold, all tokens)  {med['segmented_ms']:.1f} / {med['one_batch_ms']:.1f} ms = "
           f"{med['segmented_ms'] / med['one_batch_ms']:.3f}")
+    if "empty_engine_ms" in med:
+        print(f"whole prompt, one batch, empty context ({len(rows['empty_engine_ms'])} cases)  engine "
+              f"{med['empty_engine_ms']:.1f}   llama-server {med['empty_server_ms']:.1f} ms   ratio "
+              f"{med['empty_engine_ms'] / med['empty_server_ms']:.3f}")
     if args.json:
         args.json.write_text(json.dumps({"model": model.name, "threads": args.threads, "flash_attn": args.flash_attn,
-                                         "medians": med}, indent=2))
+                                         "server_args": args.server_arg, "medians": med}, indent=2))
     return 0
 
 

@@ -109,6 +109,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--adapter-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an extra SEMIF_* setting for the adapter (repeatable), e.g. SEMIF_FLASH_ATTN=1")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="an extra llama-server argument (repeatable), e.g. --server-arg=--cache-ram --server-arg=0")
     args = parser.parse_args()
     extra_env = dict(item.split("=", 1) for item in args.adapter_env)
 
@@ -122,7 +124,8 @@ def main() -> int:
     cases = [json.loads(line) for line in args.cases.read_text().splitlines() if line.strip()]
     adapter = BenchServer(model, **{"SEMIF_N_THREADS": args.threads, "SEMIF_N_CTX": N_CTX, "SEMIF_N_BATCH": N_BATCH,
                                     **extra_env})
-    server = LlamaServer(args.server, model, args.threads, Path("/tmp") / f"llama-server-{os.getpid()}.log")
+    server = LlamaServer(args.server, model, args.threads, Path("/tmp") / f"llama-server-{os.getpid()}.log",
+                         tuple(args.server_arg))
     times: dict[str, list[float]] = {"adapter": [], "server-chat": [], "server-completion": [], "server-probs": []}
     chat_ok = True
     try:
@@ -185,7 +188,7 @@ def main() -> int:
         server.close()
 
     figures = {"model": model.name, "threads": args.threads, "cases": len(cases), "rounds": args.rounds,
-               "adapter_env": extra_env}
+               "adapter_env": extra_env, "server_args": args.server_arg}
     print(f"model {model.name}, {args.threads} threads, {len(cases)} cases x {args.rounds} rounds, cold single decisions")
     print(f"{'route':<20}{'p50 ms':>10}{'p95 ms':>10}{'adapter / route p50':>22}")
     adapter_p50 = pct(times["adapter"], 50)
