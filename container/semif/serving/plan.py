@@ -137,8 +137,9 @@ class PromptPlan:
     # state_first: template head (special tokens allowed), fenced state (plain text).
     # options_first: template head, question block, blank line + fenced state (the last two plain text).
     prefix_pieces: tuple[Piece, ...]
-    # The prefix as the engine evaluates it. state_first: head, state blocks. options_first: head, question
-    # block(s), state blocks; the leading head + question segments are what stays cached across states.
+    # The prefix as the engine evaluates it. state_first: head, fence opener, state blocks. options_first:
+    # head, question block(s) ending in the fence opener, state blocks; the leading ``shared_segments`` are
+    # what stays cached across states (the opener stays in the state's block where it cannot be split off).
     prefix_segments: tuple[tuple[int, ...], ...]
     questions: tuple[QuestionPlan, ...]
     # How many leading prefix segments are the same for every state: the template head and the fence
