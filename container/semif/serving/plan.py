@@ -13,7 +13,7 @@ turns); client text (the state, the question block) never does, so it cannot for
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from .prompt import (
     BINARY_LABELS, DEFAULT_LAYOUT, INJECTION_CHECK_QUESTION, LAYOUTS, Labels, Outcome, PromptTemplate, Question,
@@ -186,6 +186,15 @@ class PromptPlan:
     def worst_case_tokens(self) -> int:
         """What the request evaluates when nothing is cached: the budget is checked against this."""
         return self.state_tokens + sum(q.worst_case_tokens for q in self._all_questions)
+
+
+class _Prefix(NamedTuple):
+    """A prefix as build_plan assembles it."""
+
+    pieces: tuple[Piece, ...]
+    segments: list[tuple[int, ...]]
+    before_suffix: str  # the text right before the question suffix
+    n_shared: int  # leading segments that are the same for every state (PromptPlan.shared_segments)
 
 
 # How much of the text before a piece is tokenized with it (see _tokenize_after): enough for any merge
@@ -378,10 +387,9 @@ def build_plan(
     def blocks(tokens: Sequence[int]) -> list[tuple[int, ...]]:
         return [tuple(tokens[i : i + n_batch]) for i in range(0, len(tokens), n_batch)]
 
-    def make_prefix(order: Optional[tuple[int, ...]]) -> tuple[tuple[Piece, ...], list[tuple[int, ...]], str, int]:
-        """(pieces, segments, text right before the question suffix, how many leading segments are the same
-        for every state) of the shared prefix. ``order``: options-first only, the order the options are
-        shown in before the state."""
+    def make_prefix(order: Optional[tuple[int, ...]]) -> _Prefix:
+        """The shared prefix. ``order``: options-first only, the order the options are shown in before the
+        state."""
         if layout == "state_first":
             head_text, block_text = template.state_prefix_parts(state_text)
             head_tokens = _head_tokens(tokenize, head_text, block_text[: block_text.index(">")])
@@ -394,12 +402,12 @@ def build_plan(
             )
             opener, rest = _split_fence_opener(tokenize, head_text, block_text, state_tokens)
             lead = ([tuple(head_tokens)] if head_tokens else []) + ([tuple(opener)] if opener else [])
-            return pieces, lead + blocks(rest), block_text, len(lead)
+            return _Prefix(pieces, lead + blocks(rest), block_text, len(lead))
         question = questions[0]
         head_text, question_text = template.options_first_prefix_parts(question, label_choice(question, order)[0], order)
         return questions_then_state(head_text, question_text)
 
-    def questions_then_state(head_text: str, question_text: str) -> tuple[tuple[Piece, ...], list[tuple[int, ...]], str, int]:
+    def questions_then_state(head_text: str, question_text: str) -> _Prefix:
         """[head][question text][blank line + fenced state]: the options-first prefix's shape."""
         block_text = template.options_first_state_part(state_text)
         head_tokens = _head_tokens(tokenize, head_text, question_text.split(" ", 1)[0])
@@ -418,7 +426,7 @@ def build_plan(
         # question block, so it stays cached across states too.
         opener, rest = _split_fence_opener(tokenize, question_text, block_text, state_tokens)
         lead = ([tuple(head_tokens)] if head_tokens else []) + blocks(question_tokens + opener)
-        return pieces, lead + blocks(rest), block_text, len(lead)
+        return _Prefix(pieces, lead + blocks(rest), block_text, len(lead))
 
     prefix_pieces, segments, before_suffix, n_shared = make_prefix(tuple(range(len(questions[0].outcomes))) if questions else ())
     prefix_len = sum(len(s) for s in segments)
@@ -479,15 +487,15 @@ def build_plan(
     if injection_check:
         # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
         binary = labels.binary
-        check_prefix: Optional[tuple[tuple[Piece, ...], list[tuple[int, ...]], str, int]] = None
+        check_prefix: Optional[_Prefix] = None
         check_before, check_prefix_len = before_suffix, prefix_len
         if layout == "state_first":
             # The check reads the state after the request's questions and options (INJECTION_CHECK_LAYOUT):
             # its own prefix, so the state is evaluated a second time, after the options.
             shown = [render_question_block(q, label_choice(q, tuple(range(len(q.outcomes))))[0]) for q in questions]
             check_prefix = questions_then_state(*template.injection_check_prefix_parts(shown))
-            check_before = check_prefix[2]
-            check_prefix_len = sum(len(s) for s in check_prefix[1])
+            check_before = check_prefix.before_suffix
+            check_prefix_len = sum(len(s) for s in check_prefix.segments)
         check_block, check_tail = template.injection_check_parts(binary.texts)
         block_tokens, tail_tokens = _question_tokens(tokenize, check_before, check_block, check_tail)
         check_plan = QuestionPlan(
@@ -499,8 +507,8 @@ def build_plan(
             ),
             label_token_ids=tuple(binary.token_ids[:2]), labels=tuple(binary.texts[:2]),
             label_variants=tuple(binary.variants_of(i) for i in range(2)), order=(0, 1),
-            own_prefix_pieces=check_prefix[0] if check_prefix else None,
-            own_prefix_segments=tuple(check_prefix[1]) if check_prefix else None,
+            own_prefix_pieces=check_prefix.pieces if check_prefix else None,
+            own_prefix_segments=tuple(check_prefix.segments) if check_prefix else None,
         )
         need = check_prefix_len + len(check_plan.suffix_tokens)
         if need > n_ctx:
