@@ -7,7 +7,8 @@
 
 Throughput: the real `serve` process is started twice on the same model and threads, once serial (the
 default) and once with SEMIF_BATCHING=1 SEMIF_N_SEQ=N; at each client count (default 1, 4, 16) the
-same distinct single-decision requests go through HTTP from that many concurrent clients. The label
+same distinct single-decision requests go through HTTP from that many concurrent clients, in two halves
+sent serial, batched, batched, serial (so a drift in the VM's speed weighs on both modes alike). The label
 memo is off in both, so every answer is computed. Printed: decisions/s, p50, p95, and batched/serial
 ratios from this run.
 
@@ -76,27 +77,39 @@ def run_clients(server, bodies: list[dict], clients: int) -> tuple[float, list[f
 
 
 def throughput(args) -> list[dict]:
+    """Both servers run at once (the idle one waits on its socket); at each client count the requests are
+    split in two halves sent serial, batched, batched, serial, so a VM whose speed drifts over the run
+    (this one moves by ~10% in minutes) weighs on both modes alike."""
     from bench_server import BenchServer
 
     rows = sample_decisions()
-    table = []
-    for mode in ("serial", "batched"):
-        env = dict(SEMIF_LABEL_MEMO=0, SEMIF_MAX_QUEUE=max(args.clients) + 4, SEMIF_N_CTX=args.n_ctx,
-                   SEMIF_N_THREADS=args.threads, SEMIF_QUEUE_TIMEOUT_S=600, SEMIF_REQUEST_DEADLINE_S=600)
-        if mode == "batched":
-            env.update(SEMIF_BATCHING=1, SEMIF_N_SEQ=args.n_seq)
-        server = BenchServer(Path(args.model) if args.model else None, **env)
-        try:
-            run_clients(server, [request_body(rows[0], -1), request_body(rows[1], -2)], 1)  # warm-up
-            for clients in args.clients:
-                bodies = [request_body(rows[i % len(rows)], 1000 * clients + i) for i in range(args.requests)]
-                wall, latencies = run_clients(server, bodies, clients)
-                entry = dict(mode=mode, clients=clients, requests=len(bodies), decisions_per_s=len(bodies) / wall,
-                             p50_ms=percentile(latencies, 50), p95_ms=percentile(latencies, 95))
+    servers = {}
+    try:
+        for mode in ("serial", "batched"):
+            env = dict(SEMIF_LABEL_MEMO=0, SEMIF_MAX_QUEUE=max(args.clients) + 4, SEMIF_N_CTX=args.n_ctx,
+                       SEMIF_N_THREADS=args.threads, SEMIF_QUEUE_TIMEOUT_S=600, SEMIF_REQUEST_DEADLINE_S=600)
+            if mode == "batched":
+                env.update(SEMIF_BATCHING=1, SEMIF_N_SEQ=args.n_seq)
+            servers[mode] = BenchServer(Path(args.model) if args.model else None, **env)
+            run_clients(servers[mode], [request_body(rows[0], -1), request_body(rows[1], -2)], 1)  # warm-up
+        table = []
+        for clients in args.clients:
+            bodies = [request_body(rows[i % len(rows)], 1000 * clients + i) for i in range(args.requests)]
+            halves = (bodies[: len(bodies) // 2], bodies[len(bodies) // 2 :])
+            walls = {"serial": 0.0, "batched": 0.0}
+            latencies: dict[str, list[float]] = {"serial": [], "batched": []}
+            for mode, half in (("serial", 0), ("batched", 0), ("batched", 1), ("serial", 1)):
+                wall, ms = run_clients(servers[mode], halves[half], clients)
+                walls[mode] += wall
+                latencies[mode] += ms
+            for mode in ("serial", "batched"):
+                entry = dict(mode=mode, clients=clients, requests=len(bodies), decisions_per_s=len(bodies) / walls[mode],
+                             p50_ms=percentile(latencies[mode], 50), p95_ms=percentile(latencies[mode], 95))
                 table.append(entry)
                 print(f"{mode:8s} clients={clients:3d}  {entry['decisions_per_s']:7.2f} decisions/s  "
                       f"p50 {entry['p50_ms']:8.0f} ms  p95 {entry['p95_ms']:8.0f} ms", flush=True)
-        finally:
+    finally:
+        for server in servers.values():
             server.close()
     print("\n| clients | serial dec/s | batched dec/s | ratio | serial p50 / p95 ms | batched p50 / p95 ms |")
     print("|---|---|---|---|---|---|")
@@ -146,7 +159,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="GGUF for the throughput runs (default: the embedded SmolLM2-135M)")
     parser.add_argument("--clients", default="1,4,16", help="comma-separated concurrent client counts")
-    parser.add_argument("--requests", type=int, default=32, help="single-decision requests per client count and mode")
+    parser.add_argument("--requests", type=int, default=32, help="single-decision requests per client count and mode (two halves each)")
     parser.add_argument("--n-seq", type=int, default=4, help="SEMIF_N_SEQ of the batched runs")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads (SEMIF_N_THREADS)")
     parser.add_argument("--n-ctx", type=int, default=2048)

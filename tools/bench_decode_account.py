@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "container"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_llama_server import DEFAULT_CASES, DEFAULT_SERVER, N_BATCH, N_CTX, LlamaServer  # noqa: E402
+from bench_llama_server import DEFAULT_CASES, DEFAULT_SERVER, N_BATCH, N_CTX, LlamaServer, unique_state_words  # noqa: E402
 from semif.serving.config import embedded_model_path  # noqa: E402
 from semif.serving.engine import Engine  # noqa: E402
 from semif.serving.prompt import Outcome, Question  # noqa: E402
@@ -86,13 +86,18 @@ def main() -> int:
             "segmented_ms": [], "one_batch_ms": [], "empty_engine_ms": [], "empty_server_ms": []}
     try:
         warm = "Warm-up: the printer on floor 2 is out of toner."
+        # Every server state starts with its own single-token word: llama-server's prompt cache matches a
+        # prompt against every prompt it holds, so a word shared with an earlier state would be reused.
+        probe = engine.plan("Probe.", [Question(cases[0]["question"], tuple(Outcome(o["id"]) for o in cases[0]["options"]))],
+                            return_prompt=True).prefix_text
+        opener = probe[probe.rfind("<state") : probe.rfind("Probe.")]
+        words = unique_state_words(server, opener, len(cases))
         for index, case in enumerate(cases):
             question = Question(case["question"], tuple(Outcome(o["id"], o.get("description")) for o in case["options"]))
-            # Each side gets its own state, and consecutive server states start with different words: neither
-            # cache holds any of the state (llama-server still reuses the fence opener, as in real traffic).
+            # Each side gets its own state, and no two server states share their first token: neither cache
+            # holds any of the state (both reuse the template head and the fence opener, as in real traffic).
             plan = engine.plan(f"Engine {index}. {case['state']}", [question])
-            word = ("Alpha", "Bravo", "Charlie", "Delta")[index % 4]
-            text_plan = engine.plan(f"{word} {index}. {case['state']}", [question], return_prompt=True)
+            text_plan = engine.plan(f"{words[index]} {index}. {case['state']}", [question], return_prompt=True)
             text = text_plan.prefix_text + text_plan.questions[0].text
             if index == 0:
                 warm_plan = engine.plan(warm, [question], return_prompt=True)

@@ -6,8 +6,8 @@ Makefile's CPU flags (`make llama-server`, or tools/build_llama_server.sh). This
 servers, then sends every labeled decision to each in turn, alternating which goes first per case,
 and prints latency ratios measured in this one run (not a timed test).
 
-Routes compared, all answering one cold single decision (each round gives every state a fresh
-reference number, so no cache or memo can answer a repeat):
+Routes compared, all answering one cold single decision (every timed state starts with a token no other
+request's state starts with, so no cache or memo can answer a repeat or reuse part of a state):
   adapter             POST /invocations (SemIf), label scoring: a probability per option
   server-chat         POST /v1/chat/completions, same messages, max_tokens 1 (greedy first token only)
   server-completion   POST /completion, the adapter's exact prompt text, n_predict 1
@@ -16,7 +16,8 @@ reference number, so no cache or memo can answer a repeat):
 The adapter's prompt comes back from the adapter itself (`return_prompt`), so both servers evaluate
 the same text; the chat route is checked with llama-server's /apply-template to render that same text.
 
-usage: python tools/bench_llama_server.py [--model GGUF] [--cases JSONL] [--rounds N] [--threads N] [--json OUT]
+usage: python tools/bench_llama_server.py [--model GGUF] [--cases JSONL] [--rounds N] [--threads N]
+                                         [--state-start unique|route] [--json OUT]
 """
 
 from __future__ import annotations
@@ -83,6 +84,31 @@ class LlamaServer:
         self.log.close()
 
 
+def unique_state_words(server: "LlamaServer", opener: str, count: int) -> list[str]:
+    """``count`` words that each tokenize as one token right after ``opener`` (the fence's ``<state>`` line),
+    a different token for every word, from the model's own vocabulary through llama-server's /tokenize and
+    /detokenize. A state that starts with one of them shares no state token with any other request, so no
+    prompt cache on either side can reuse part of a state it has not seen."""
+    def tokenize(text: str) -> list[int]:
+        return server.http.post("/tokenize", json={"content": text}).json()["tokens"]
+
+    base = tokenize(opener)
+    n_vocab = server.http.get("/v1/models").json()["data"][0]["meta"]["n_vocab"]
+    words: list[str] = []
+    seen: set[int] = set()
+    for token in range(1000, n_vocab, 7):  # a deterministic sweep of the vocabulary
+        piece = server.http.post("/detokenize", json={"tokens": [token]}).json().get("content", "")
+        if not (len(piece) >= 4 and piece.isascii() and piece.isalpha() and piece[0].isupper()):
+            continue
+        ids = tokenize(f"{opener}{piece} 1-2. Text")
+        if ids[: len(base)] == base and ids[len(base)] == token and token not in seen:
+            seen.add(token)
+            words.append(piece)
+            if len(words) == count:
+                return words
+    raise SystemExit(f"found only {len(words)} single-token state words of the {count} needed")
+
+
 def split_messages(prompt_text: str, system_text: str) -> list[dict] | None:
     """The [system, user] messages whose chat rendering is ``prompt_text`` (checked by the caller)."""
     start = prompt_text.find(system_text)
@@ -111,6 +137,11 @@ def main() -> int:
                         help="an extra SEMIF_* setting for the adapter (repeatable), e.g. SEMIF_FLASH_ATTN=1")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="an extra llama-server argument (repeatable), e.g. --server-arg=--cache-ram --server-arg=0")
+    parser.add_argument("--state-start", choices=("unique", "route"), default="unique",
+                        help="unique (default): every timed state starts with its own single-token word, so no "
+                             "state token is shared between requests; route: the earlier design, a word per "
+                             "route then the round and case numbers (llama-server's RAM prompt cache then "
+                             "reuses the word and the digits from that route's previous request)")
     args = parser.parse_args()
     extra_env = dict(item.split("=", 1) for item in args.adapter_env)
 
@@ -144,6 +175,13 @@ def main() -> int:
         print(f"llama-server's chat template renders the adapter's prompt exactly: {chat_ok}", flush=True)
         warmup = [(0, i) for i in range(min(3, len(cases)))]
         schedule = warmup + [(r, i) for r in range(1, args.rounds + 1) for i in range(len(cases))]
+        routes = list(ROUTE_WORDS)
+        if args.state_start == "unique":
+            opener = probes[0][1][: probes[0][1].find(probes[0][0])]
+            opener = opener[opener.rfind("<state") :]  # the fence's opening line, as the prompt has it
+            words = iter(unique_state_words(server, opener, len(schedule) * len(routes)))
+            starts = {(r, i, route): next(words) for r, i in schedule for route in routes}
+            print(f"{len(starts)} states, each starting with its own single token", flush=True)
         for step, (round_no, index) in enumerate(schedule):
             if step == len(warmup):
                 print("warm-up done; timing", flush=True)
@@ -151,11 +189,13 @@ def main() -> int:
             probe_state, probe_prompt = probes[index]
             decision = {"id": case["id"], "question": case["question"], "options": case["options"]}
             def variant(route: str) -> tuple[str, str]:
-                # Each route's states start with their own word, so consecutive requests (which go to
-                # different routes) share no token of the state: llama-server's prompt cache reuses the
-                # longest common token prefix, and a shared "Reference r-i-" tag gave it ~6 tokens per
-                # request (~5% of its work) that the adapter, which reuses whole segments, evaluated.
-                state = f"{ROUTE_WORDS[route]} {round_no}-{index}. {case['state']}"
+                # llama-server's prompt cache reuses the longest common token prefix of any prompt it
+                # holds (the slot's, and with --cache-ram every earlier one), the adapter only whole
+                # segments. A shared "Reference r-i-" tag gave it ~6 state tokens per request; a word per
+                # route (--state-start route) still gave it the word and digits of that route's previous
+                # request. With --state-start unique (default) every state's first token is its own.
+                word = starts[(round_no, index, route)] if args.state_start == "unique" else ROUTE_WORDS[route]
+                state = f"{word} {round_no}-{index}. {case['state']}"
                 return state, probe_prompt.replace(probe_state, state)
 
             def adapter_run() -> float:
@@ -188,7 +228,7 @@ def main() -> int:
         server.close()
 
     figures = {"model": model.name, "threads": args.threads, "cases": len(cases), "rounds": args.rounds,
-               "adapter_env": extra_env, "server_args": args.server_arg}
+               "state_start": args.state_start, "adapter_env": extra_env, "server_args": args.server_arg}
     print(f"model {model.name}, {args.threads} threads, {len(cases)} cases x {args.rounds} rounds, cold single decisions")
     print(f"{'route':<20}{'p50 ms':>10}{'p95 ms':>10}{'adapter / route p50':>22}")
     adapter_p50 = pct(times["adapter"], 50)
