@@ -166,6 +166,8 @@ def main() -> int:
           f"{med['server_ms_per_token']:.2f}   ratio {med['engine_ms_per_token'] / med['server_ms_per_token']:.3f}")
     print(f"decode ms per decision            engine {med['engine_decode_ms']:.1f}   llama-server "
           f"{med['server_prompt_ms']:.1f}   ratio {med['engine_decode_ms'] / med['server_prompt_ms']:.3f}")
+    per_case = statistics.median(e / s for e, s in zip(rows["engine_decode_ms"], rows["server_prompt_ms"]))
+    print(f"decode, median of per-case ratios (drift in the VM's speed cancels)   {per_case:.3f}")
     print(f"segmented / one batch (cold, all tokens)  {med['segmented_ms']:.1f} / {med['one_batch_ms']:.1f} ms = "
           f"{med['segmented_ms'] / med['one_batch_ms']:.3f}")
     if "empty_engine_ms" in med:
@@ -174,7 +176,8 @@ def main() -> int:
               f"{med['empty_engine_ms'] / med['empty_server_ms']:.3f}")
     if args.json:
         args.json.write_text(json.dumps({"model": model.name, "threads": args.threads, "flash_attn": args.flash_attn,
-                                         "server_args": args.server_arg, "medians": med}, indent=2))
+                                         "server_args": args.server_arg, "medians": med,
+                                         "decode_median_per_case_ratio": per_case, "rows": rows}, indent=2))
     return 0
 
 

@@ -12,7 +12,8 @@ With --llama-server BINARY, upstream llama-server (tools/bench_llama_server.py's
 threads, context and batch sizes) answers the same prompt texts through POST /completion with
 n_predict 1 and cache_prompt on, in both layouts: its prompt cache reuses the longest common prefix too.
 
-usage: python tools/bench_routing.py [--model GGUF] [--tickets 50] [--threads N] [--llama-server BIN] [--json OUT]
+usage: python tools/bench_routing.py [--model GGUF] [--tickets 50] [--threads N] [--llama-server BIN]
+                                     [--ticket-start numbered|unique] [--json OUT]
 """
 
 from __future__ import annotations
@@ -156,10 +157,17 @@ def main() -> int:
                         help="the adapter's flash attention (SEMIF_FLASH_ATTN; default on, as the server's)")
     parser.add_argument("--server-flash-attn", choices=("auto", "on", "off"), default="auto",
                         help="llama-server's -fa (its default, auto, is on for the CPU)")
+    parser.add_argument("--ticket-start", choices=("numbered", "unique"), default="numbered",
+                        help="numbered (default): tickets start 'Ticket 1000: Hello, ...', so consecutive tickets share "
+                             "their first tokens, which llama-server's token-level prompt cache reuses and the adapter's "
+                             "segment reuse does not; unique (with --llama-server): every ticket starts with its own "
+                             "single-token word, so neither side can reuse any ticket token")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     layouts = [l.strip() for l in args.layouts.split(",") if l.strip()]
     texts = tickets(args.tickets)
+    if args.ticket_start == "unique" and not args.llama_server:
+        raise SystemExit("--ticket-start unique needs --llama-server (its vocabulary finds the words)")
     model = args.model or embedded_model_path()
     engine = Engine(model, n_ctx=4096, n_batch=512, n_threads=args.threads, label_memo=False, flash_attn=args.flash_attn == "on")
     n_tokens = statistics.mean(len(engine._tokenize(t, special=False)) for t in texts)
@@ -174,6 +182,13 @@ def main() -> int:
 
         server = LlamaServer(args.llama_server, model, args.threads, Path("/tmp/bench_routing_llama_server.log"),
                              ("-fa", args.server_flash_attn))
+        if args.ticket_start == "unique":
+            from bench_llama_server import unique_state_words
+
+            probe = engine.plan("Probe.", [QUESTION], return_prompt=True).prefix_text
+            opener = probe[probe.rfind("<state") : probe.rfind("Probe.")]
+            words = unique_state_words(server, opener, len(texts), follow=" Ticket 1000: Hello")
+            texts = [f"{word} {text}" for word, text in zip(words, texts)]
     try:
         for layout in layouts:
             measured = bench_layout(engine, server, texts, layout)
@@ -197,6 +212,7 @@ def main() -> int:
         print(f"adapter best / llama-server best p50: {best_adapter / best_server:.3f} (goal <= 0.95)")
     if args.json:
         args.json.write_text(json.dumps({"model": engine.info["file"], "results": results, "ratio": ratio,
+                                         "ticket_start": args.ticket_start,
                                          "adapter_flash_attn": args.flash_attn, "server_flash_attn": args.server_flash_attn}, indent=2))
     engine.close()
     return 0
