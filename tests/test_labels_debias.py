@@ -20,6 +20,7 @@ from semif.serving.prompt import EMPTY_THINK, Labels, LabelSet, Outcome, PromptT
 from serving import embedded_model, gemma_model
 
 DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parents[1]
 ROUTE = Question(
     "Which queue should handle this request?",
     (Outcome("account_access", "Account access support."), Outcome("billing", "Billing support."),
@@ -55,11 +56,12 @@ class Vocab:
     def tokenize(self, text, *, special, add_bos=False):
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special) if text else []
 
-    def plan(self, state, questions, *, scoring="label", debias="none", labels=None):
+    def plan(self, state, questions, *, scoring="label", debias="none", labels=None, layout="state_first",
+             injection_check=False):
         return build_plan(template=self.template, labels=labels or self.labels, tokenize=self.tokenize,
                           eos_token=self.llm.token_eos(), bos_token=self.llm.token_bos(), adds_bos=True,
                           n_ctx=1 << 16, n_batch=64, state_text=state, questions=questions, scoring=scoring,
-                          debias=debias)
+                          debias=debias, layout=layout, injection_check=injection_check)
 
     def close(self):
         self.llm.close()
@@ -72,8 +74,18 @@ def _gemma_path():
     return path
 
 
+def _vocab_only(name):
+    """A llama.cpp vocabulary-only GGUF that `make setup` takes from the pinned sdist (tools/fetch_test_vocabs.sh)."""
+    path = REPO / ".build" / "vocab" / f"ggml-vocab-{name}.gguf"
+    assert path.is_file(), f"{path} is missing: run `make setup` (tools/fetch_test_vocabs.sh)"
+    return path
+
+
 VOCABS = {
     "smollm2-bpe": lambda: Vocab(embedded_model()),
+    # Qwen 2 and Llama 3 BPE: their pre-tokenizers keep newlines with punctuation (`</state>\n\n` ends in `>\n\n`).
+    "qwen2-bpe-chat": lambda: Vocab(_vocab_only("qwen2")),  # its own ChatML template
+    "llama3-bpe-plain": lambda: Vocab(_vocab_only("llama-bpe")),  # no chat template in the GGUF
     "smollm2-bpe-plain": lambda: Vocab(embedded_model(), plain=True),
     "gemma-spm-plain": lambda: Vocab(_gemma_path()),  # the base GGUF has no chat template
     "gemma-spm-chat": lambda: Vocab(_gemma_path(), chat_template=(DATA / "google-gemma-2-2b-it.jinja").read_text()),
@@ -111,6 +123,24 @@ def test_a_plans_pieces_tokenize_exactly_like_the_whole_prompt_text(vocab, scori
             for part in (qplan, qplan.reversed):
                 whole = vocab.tokenize(plan.prefix_text + part.text, special=True, add_bos=True)
                 assert prefix + part.suffix_tokens == whole, (state, part.text)
+
+
+@pytest.mark.parametrize("layout", ["state_first", "options_first"])
+def test_both_layouts_with_order_debiasing_and_the_injection_check_tokenize_like_the_whole_prompt_text(vocab, layout):
+    """Every suffix (both orders, the injection check) after its own prefix: on Qwen 2 and Llama 3 the
+    blank line after `</state>` merges with the tag, so it must end the state's segment, not start the
+    suffix (plan._absorb_between)."""
+    questions = [ROUTE] if layout == "options_first" else [ROUTE, IS_ACCOUNT]
+    for state in STATES:
+        plan = vocab.plan(state, questions, debias="reverse", layout=layout, injection_check=True)
+        parts = [part for qplan in plan.questions for part in (qplan, qplan.reversed)] + [plan.injection_check]
+        for part in parts:
+            pieces = part.own_prefix_pieces or plan.prefix_pieces
+            segments = part.own_prefix_segments or plan.prefix_segments
+            prefix = [t for segment in segments for t in segment]
+            assert prefix == [t for piece in pieces for t in piece.tokens]
+            whole = vocab.tokenize("".join(piece.text for piece in pieces) + part.text, special=True, add_bos=True)
+            assert prefix + list(part.suffix_tokens) == whole, (layout, state, part.text[:40])
 
 
 def test_the_fence_opener_is_a_segment_of_its_own_that_states_share_where_the_tokens_split_there(vocab):

@@ -195,6 +195,7 @@ class _Prefix(NamedTuple):
     segments: list[tuple[int, ...]]
     before_suffix: str  # the text right before the question suffix
     n_shared: int  # leading segments that are the same for every state (PromptPlan.shared_segments)
+    between: str = ""  # template text moved from the start of every suffix to the end of the prefix
 
 
 # How much of the text before a piece is tokenized with it (see _tokenize_after): enough for any merge
@@ -257,9 +258,40 @@ def _head_tokens(tokenize: Tokenize, head: str, fence_open: str) -> list:
     return alone
 
 
+def _absorb_between(tokenize: Tokenize, before: str, block_text: str, block_tokens: Sequence[int],
+                    between: str) -> tuple[str, list, str]:
+    """(state block text, its tokens, the text moved): where the whole prompt's tokens do not split
+    between the fence's closing tag and the template text after it (Llama 3's and Qwen 2's pre-tokenizers
+    keep trailing newlines with punctuation: `</state>` + `\n\n` is `</`,`state`,`>\n\n`), that text
+    (a blank line: the same for every question) ends the state block instead of starting each suffix, so
+    the prompt's tokens are the whole text's. Elsewhere (SmolLM2, Gemma: `>`,`\n\n`) nothing moves."""
+    if not between or tokenize(between, special=True) != tokenize(between, special=False):
+        return block_text, list(block_tokens), ""
+    joint = _tokenize_after(tokenize, before, block_text + between, special=False)
+    apart = list(block_tokens) + _tokenize_after(tokenize, block_text, between, special=False)
+    if joint == apart:
+        return block_text, list(block_tokens), ""
+    return block_text + between, joint, between
+
+
+def _end_with_between(tokenize: Tokenize, before: str, text: str, block_text: str, between: str) -> tuple[str, str]:
+    """(text, block_text) with the template's ``between`` text moved from the start of the block to the
+    end of ``text`` where the whole prompt's tokens do not split between them (options-first: the
+    question block's last `.` and the blank line before `<state>` are one token, `.\n\n`, on Llama 3 and
+    Qwen 2). The question's segment then ends with that token and stays the same for every state."""
+    if not between or not block_text.startswith(between) or tokenize(between, special=True) != tokenize(between, special=False):
+        return text, block_text
+    joint = _tokenize_after(tokenize, before, text + between, special=False)
+    apart = _tokenize_after(tokenize, before, text, special=False) + _tokenize_after(tokenize, text, between, special=False)
+    if joint == apart:
+        return text, block_text
+    return text + between, block_text[len(between):]
+
+
 def _split_fence_opener(tokenize: Tokenize, before: str, block_text: str, block_tokens: Sequence[int]) -> tuple[list, list]:
     """(fence opener tokens, the rest of the state block's tokens): the block's text up to the newline
-    after its opening tag (`<state>` and that newline, with any blank line before it) is the same for
+    after its opening tag (`<state>` and that newline, with any blank line before it that the question
+    segment did not take, _end_with_between) is the same for
     almost every state, so the plan evaluates it as a segment of its own that the next state reuses
     (tools/bench_decode_account.py measured it: these tokens were most of what upstream llama-server's
     token-level prefix reuse spared and the adapter did not). Split only where the block's own tokens
@@ -396,13 +428,15 @@ def build_plan(
             if not head_tokens and adds_bos and bos_token is not None:
                 head_tokens = [bos_token]
             state_tokens = _tokenize_after(tokenize, head_text, block_text, special=False)
+            block_text, state_tokens, moved = _absorb_between(tokenize, head_text, block_text, state_tokens,
+                                                              template.between)
             pieces: tuple[Piece, ...] = (
                 Piece("template", head_text, tuple(head_tokens), True),
                 Piece("state", block_text, tuple(state_tokens), False),
             )
             opener, rest = _split_fence_opener(tokenize, head_text, block_text, state_tokens)
             lead = ([tuple(head_tokens)] if head_tokens else []) + ([tuple(opener)] if opener else [])
-            return _Prefix(pieces, lead + blocks(rest), block_text, len(lead))
+            return _Prefix(pieces, lead + blocks(rest), block_text, len(lead), moved)
         question = questions[0]
         head_text, question_text = template.options_first_prefix_parts(question, label_choice(question, order)[0], order)
         return questions_then_state(head_text, question_text)
@@ -410,6 +444,7 @@ def build_plan(
     def questions_then_state(head_text: str, question_text: str) -> _Prefix:
         """[head][question text][blank line + fenced state]: the options-first prefix's shape."""
         block_text = template.options_first_state_part(state_text)
+        question_text, block_text = _end_with_between(tokenize, head_text, question_text, block_text, template.between)
         head_tokens = _head_tokens(tokenize, head_text, question_text.split(" ", 1)[0])
         if not head_tokens and adds_bos and bos_token is not None:
             head_tokens = [bos_token]
@@ -417,6 +452,8 @@ def build_plan(
         # state to the next, so the engine's segment reuse keeps them cached across routing requests.
         question_tokens = _tokenize_after(tokenize, head_text, question_text, special=False)
         state_tokens = _tokenize_after(tokenize, question_text, block_text, special=False)
+        block_text, state_tokens, moved = _absorb_between(tokenize, question_text, block_text, state_tokens,
+                                                          template.between)
         pieces = (
             Piece("template", head_text, tuple(head_tokens), True),
             Piece("question", question_text, tuple(question_tokens), False),
@@ -426,18 +463,28 @@ def build_plan(
         # question block, so it stays cached across states too.
         opener, rest = _split_fence_opener(tokenize, question_text, block_text, state_tokens)
         lead = ([tuple(head_tokens)] if head_tokens else []) + blocks(question_tokens + opener)
-        return _Prefix(pieces, lead + blocks(rest), block_text, len(lead))
+        return _Prefix(pieces, lead + blocks(rest), block_text, len(lead), moved)
 
-    prefix_pieces, segments, before_suffix, n_shared = make_prefix(tuple(range(len(questions[0].outcomes))) if questions else ())
+    def after_state(text: str, moved: str) -> str:
+        """A suffix's first piece without the text its prefix took over (_absorb_between)."""
+        if not moved:
+            return text
+        assert text.startswith(moved), "every suffix after the state starts with the template's between text"
+        return text[len(moved):]
+
+    main_prefix = make_prefix(tuple(range(len(questions[0].outcomes))) if questions else ())
+    prefix_pieces, segments, before_suffix, n_shared = main_prefix[:4]
     prefix_len = sum(len(s) for s in segments)
     state_len = len(prefix_pieces[-1].tokens)
 
-    def plan_question(question: Question, field: str, name: str, order: tuple[int, ...], before: str) -> QuestionPlan:
+    def plan_question(question: Question, field: str, name: str, order: tuple[int, ...], before: str,
+                      moved: str) -> QuestionPlan:
         label_texts, label_ids, variants = label_choice(question, order)
         if layout == "state_first":
             block, tail = template.question_suffix_parts(question, label_texts, order)
         else:
             block, tail = template.options_first_suffix_parts(question, label_texts)
+        block = after_state(block, moved)
         block_tokens, tail_tokens = _question_tokens(tokenize, before, block, tail)
         pieces = (
             Piece("question", block, tuple(block_tokens), False),
@@ -460,14 +507,15 @@ def build_plan(
     planned = []
     for question, field, name in zip(questions, fields, names):
         given = tuple(range(len(question.outcomes)))
-        plan = plan_question(question, field, name, given, before_suffix)
+        plan = plan_question(question, field, name, given, before_suffix, main_prefix.between)
         if debias == "reverse":
             if layout == "state_first":
-                plan = replace(plan, reversed=plan_question(question, field, name, given[::-1], before_suffix))
+                plan = replace(plan, reversed=plan_question(question, field, name, given[::-1], before_suffix,
+                                                            main_prefix.between))
             else:
                 # Options-first: the reversed options are their own cached block, and the state follows it.
-                r_pieces, r_segments, r_before, _ = make_prefix(given[::-1])
-                r_plan = replace(plan_question(question, field, name, given[::-1], r_before),
+                r_pieces, r_segments, r_before, _, r_moved = make_prefix(given[::-1])
+                r_plan = replace(plan_question(question, field, name, given[::-1], r_before, r_moved),
                                  own_prefix_pieces=r_pieces, own_prefix_segments=tuple(r_segments))
                 plan = replace(plan, reversed=r_plan)
         suffix_len = max(len(p.suffix_tokens) + max((len(a) for a in p.answer_tokens), default=0)
@@ -488,15 +536,16 @@ def build_plan(
         # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
         binary = labels.binary
         check_prefix: Optional[_Prefix] = None
-        check_before, check_prefix_len = before_suffix, prefix_len
+        check_before, check_prefix_len, check_moved = before_suffix, prefix_len, main_prefix.between
         if layout == "state_first":
             # The check reads the state after the request's questions and options (INJECTION_CHECK_LAYOUT):
             # its own prefix, so the state is evaluated a second time, after the options.
             shown = [render_question_block(q, label_choice(q, tuple(range(len(q.outcomes))))[0]) for q in questions]
             check_prefix = questions_then_state(*template.injection_check_prefix_parts(shown))
-            check_before = check_prefix.before_suffix
+            check_before, check_moved = check_prefix.before_suffix, check_prefix.between
             check_prefix_len = sum(len(s) for s in check_prefix.segments)
         check_block, check_tail = template.injection_check_parts(binary.texts)
+        check_block = after_state(check_block, check_moved)
         block_tokens, tail_tokens = _question_tokens(tokenize, check_before, check_block, check_tail)
         check_plan = QuestionPlan(
             question=Question(INJECTION_CHECK_QUESTION, (Outcome("yes"), Outcome("no")), kind="binary"),

@@ -419,9 +419,17 @@ class PromptTemplate:
     def state_prefix_parts(self, state_text: str) -> tuple[str, str]:
         """(template head, fenced state): the state prefix in pieces, so the caller can tokenize
         template text with special tokens and user text without. The prefix ends right after the
-        closing tag, before any whitespace: a BPE pre-tokenizer always splits there, so the prefix's
-        tokens followed by the question's equal the tokens of the whole text."""
+        closing tag. Most BPE pre-tokenizers split there; those of Llama 3 and Qwen 2 keep the blank
+        line after it with the tag (`>\n\n` is one token), so the planner then moves ``between`` from
+        every suffix to the end of the prefix (plan._absorb_between), and the pieces' tokens still equal
+        the whole text's."""
         return self._head, self.state_block(state_text)
+
+    @property
+    def between(self) -> str:
+        """The template text between the state and whatever follows it (a blank line): every suffix after
+        the state starts with it."""
+        return self._between
 
     def question_suffix_parts(self, question: Question, labels: Optional[Sequence[str]],
                               order: Optional[Sequence[int]] = None) -> tuple[str, str]:
