@@ -129,7 +129,7 @@ def test_a_plans_pieces_tokenize_exactly_like_the_whole_prompt_text(vocab, scori
 def test_both_layouts_with_order_debiasing_and_the_injection_check_tokenize_like_the_whole_prompt_text(vocab, layout):
     """Every suffix (both orders, the injection check) after its own prefix: on Qwen 2 and Llama 3 the
     blank line after `</state>` merges with the tag, so it must end the state's segment, not start the
-    suffix (plan._absorb_between)."""
+    suffix (plan._join_across)."""
     questions = [ROUTE] if layout == "options_first" else [ROUTE, IS_ACCOUNT]
     for state in STATES:
         plan = vocab.plan(state, questions, debias="reverse", layout=layout, injection_check=True)

@@ -258,40 +258,30 @@ def _head_tokens(tokenize: Tokenize, head: str, fence_open: str) -> list:
     return alone
 
 
-def _absorb_between(tokenize: Tokenize, before: str, block_text: str, block_tokens: Sequence[int],
-                    between: str) -> tuple[str, list, str]:
-    """(state block text, its tokens, the text moved): where the whole prompt's tokens do not split
-    between the fence's closing tag and the template text after it (Llama 3's and Qwen 2's pre-tokenizers
-    keep trailing newlines with punctuation: `</state>` + `\n\n` is `</`,`state`,`>\n\n`), that text
-    (a blank line: the same for every question) ends the state block instead of starting each suffix, so
-    the prompt's tokens are the whole text's. Elsewhere (SmolLM2, Gemma: `>`,`\n\n`) nothing moves."""
-    if not between or tokenize(between, special=True) != tokenize(between, special=False):
-        return block_text, list(block_tokens), ""
-    joint = _tokenize_after(tokenize, before, block_text + between, special=False)
-    apart = list(block_tokens) + _tokenize_after(tokenize, block_text, between, special=False)
-    if joint == apart:
-        return block_text, list(block_tokens), ""
-    return block_text + between, joint, between
+def _join_across(tokenize: Tokenize, text: str, tokens: Sequence[int], extra: str) -> Optional[list]:
+    """``text``'s ``tokens`` (as the whole prompt has them) followed by plain ``extra`` text, tokenized as
+    the whole text has them, when a token merges across that boundary; None when it splits cleanly there.
 
-
-def _end_with_between(tokenize: Tokenize, before: str, text: str, block_text: str, between: str) -> tuple[str, str]:
-    """(text, block_text) with the template's ``between`` text moved from the start of the block to the
-    end of ``text`` where the whole prompt's tokens do not split between them (options-first: the
-    question block's last `.` and the blank line before `<state>` are one token, `.\n\n`, on Llama 3 and
-    Qwen 2). The question's segment then ends with that token and stays the same for every state."""
-    if not between or not block_text.startswith(between) or tokenize(between, special=True) != tokenize(between, special=False):
-        return text, block_text
-    joint = _tokenize_after(tokenize, before, text + between, special=False)
-    apart = _tokenize_after(tokenize, before, text, special=False) + _tokenize_after(tokenize, text, between, special=False)
-    if joint == apart:
-        return text, block_text
-    return text + between, block_text[len(between):]
+    Llama 3's and Qwen 2's pre-tokenizers keep trailing newlines with punctuation: `</state>` + a blank
+    line is `</`,`state`,`>\n\n`, and an options block's last `.` + a blank line is `.\n\n`. Only the
+    last line of ``text`` is tokenized again (the state can be long, and this runs for every request)."""
+    if not extra or tokenize(extra, special=True) != tokenize(extra, special=False):
+        return None
+    cut = text.rfind("\n") + 1
+    before, line = text[:cut], text[cut:]  # the last line, after its newline
+    tail = _tokenize_after(tokenize, before, line, special=False)
+    if not tail or list(tokens[len(tokens) - len(tail):]) != tail:
+        return None  # the line's start merges with the newline before it: leave the boundary as it is
+    joint = _tokenize_after(tokenize, before, line + extra, special=False)
+    if joint == tail + _tokenize_after(tokenize, text, extra, special=False):
+        return None
+    return list(tokens[: len(tokens) - len(tail)]) + joint
 
 
 def _split_fence_opener(tokenize: Tokenize, before: str, block_text: str, block_tokens: Sequence[int]) -> tuple[list, list]:
     """(fence opener tokens, the rest of the state block's tokens): the block's text up to the newline
     after its opening tag (`<state>` and that newline, with any blank line before it that the question
-    segment did not take, _end_with_between) is the same for
+    segment did not take) is the same for
     almost every state, so the plan evaluates it as a segment of its own that the next state reuses
     (tools/bench_decode_account.py measured it: these tokens were most of what upstream llama-server's
     token-level prefix reuse spared and the adapter did not). Split only where the block's own tokens
@@ -428,8 +418,12 @@ def build_plan(
             if not head_tokens and adds_bos and bos_token is not None:
                 head_tokens = [bos_token]
             state_tokens = _tokenize_after(tokenize, head_text, block_text, special=False)
-            block_text, state_tokens, moved = _absorb_between(tokenize, head_text, block_text, state_tokens,
-                                                              template.between)
+            # Where the blank line after `</state>` merges with the tag, it ends the state's segment and
+            # every suffix drops it (after_state), so the prompt's tokens are the text's own.
+            joined = _join_across(tokenize, block_text, state_tokens, template.between)
+            moved = template.between if joined else ""
+            if joined:
+                block_text, state_tokens = block_text + moved, joined
             pieces: tuple[Piece, ...] = (
                 Piece("template", head_text, tuple(head_tokens), True),
                 Piece("state", block_text, tuple(state_tokens), False),
@@ -444,16 +438,23 @@ def build_plan(
     def questions_then_state(head_text: str, question_text: str) -> _Prefix:
         """[head][question text][blank line + fenced state]: the options-first prefix's shape."""
         block_text = template.options_first_state_part(state_text)
-        question_text, block_text = _end_with_between(tokenize, head_text, question_text, block_text, template.between)
         head_tokens = _head_tokens(tokenize, head_text, question_text.split(" ", 1)[0])
         if not head_tokens and adds_bos and bos_token is not None:
             head_tokens = [bos_token]
         # The question block is its own segment(s) right after the head: these stay the same from one
         # state to the next, so the engine's segment reuse keeps them cached across routing requests.
         question_tokens = _tokenize_after(tokenize, head_text, question_text, special=False)
+        between = template.between
+        # Where the block's last token merges with the blank line before `<state>`, that line ends the
+        # question's segment (the same for every state), and after `</state>` likewise the state's.
+        joined = _join_across(tokenize, question_text, question_tokens, between) if block_text.startswith(between) else None
+        if joined:
+            question_text, question_tokens, block_text = question_text + between, joined, block_text[len(between):]
         state_tokens = _tokenize_after(tokenize, question_text, block_text, special=False)
-        block_text, state_tokens, moved = _absorb_between(tokenize, question_text, block_text, state_tokens,
-                                                          template.between)
+        joined = _join_across(tokenize, block_text, state_tokens, between)
+        moved = between if joined else ""
+        if joined:
+            block_text, state_tokens = block_text + moved, joined
         pieces = (
             Piece("template", head_text, tuple(head_tokens), True),
             Piece("question", question_text, tuple(question_tokens), False),
@@ -466,7 +467,7 @@ def build_plan(
         return _Prefix(pieces, lead + blocks(rest), block_text, len(lead), moved)
 
     def after_state(text: str, moved: str) -> str:
-        """A suffix's first piece without the text its prefix took over (_absorb_between)."""
+        """A suffix's first piece without the text its prefix took over (_join_across)."""
         if not moved:
             return text
         assert text.startswith(moved), "every suffix after the state starts with the template's between text"

@@ -421,7 +421,7 @@ class PromptTemplate:
         template text with special tokens and user text without. The prefix ends right after the
         closing tag. Most BPE pre-tokenizers split there; those of Llama 3 and Qwen 2 keep the blank
         line after it with the tag (`>\n\n` is one token), so the planner then moves ``between`` from
-        every suffix to the end of the prefix (plan._absorb_between), and the pieces' tokens still equal
+        every suffix to the end of the prefix (plan._join_across), and the pieces' tokens still equal
         the whole text's."""
         return self._head, self.state_block(state_text)
 
