@@ -44,7 +44,7 @@ $(STAMP)/deps: requirements.txt requirements-dev.txt container/pyproject.toml | 
 	@mkdir -p $(STAMP) && touch $@
 
 # Vocabulary-only GGUFs (Qwen 2, Llama 3 BPE) for the tokenizer tests, from the pinned llama-cpp-python sdist.
-$(STAMP)/vocabs: container/pyproject.toml tools/fetch_test_vocabs.sh | $(PY)
+$(STAMP)/vocabs: container/pyproject.toml tools/fetch_test_vocabs.sh tools/sdist_common.sh | $(PY)
 	PY=$(PY) tools/fetch_test_vocabs.sh
 	@mkdir -p $(STAMP) && touch $@
 

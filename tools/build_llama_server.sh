@@ -8,17 +8,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-.build/llama-server}")
-py=${PY:-.venv/bin/python}
-version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' container/pyproject.toml)
-[ -n "$version" ] || { echo "cannot read the llama-cpp-python pin from container/pyproject.toml" >&2; exit 1; }
+# shellcheck source=tools/sdist_common.sh
+. tools/sdist_common.sh
 binary="$out/build/bin/llama-server"
 if [ -x "$binary" ] && [ "$(cat "$out/VERSION" 2>/dev/null)" = "$version" ]; then echo "$binary"; exit 0; fi
 mkdir -p "$out"
 if [ ! -d "$out/src/vendor/llama.cpp" ]; then
-  echo ">> fetching the llama-cpp-python $version sdist (vendored llama.cpp)" >&2
-  "$py" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$out/sdist" >&2
+  sdist=$(download_sdist "$out/sdist" "vendored llama.cpp")
   rm -rf "$out/src" && mkdir -p "$out/src"
-  tar xzf "$out/sdist/llama_cpp_python-$version.tar.gz" -C "$out/src" --strip-components=1
+  tar xzf "$sdist" -C "$out/src" --strip-components=1
 fi
 # Same CPU flags as the Makefile's LLAMA_CMAKE_ARGS (passed in by `make llama-server`).
 cpu_flags=${LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}
