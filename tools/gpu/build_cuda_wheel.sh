@@ -30,8 +30,33 @@ LLAMA=$(grep -o 'llama-cpp-python==[0-9.]*' container/pyproject.toml)
 
 echo ">> 1/4 building $LLAMA with CUDA for sm_90 (H100/H200) only"
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+# the toolkit's root, also where nvcc is a wrapper script (this machine's /usr/local/bin/nvcc)
+cuda_root=$("$NVCC" --dryrun -x cu -c /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)
+cuda_root=$(readlink -f "${cuda_root:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}")
+cuda_version=$("$NVCC" --version | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\).*/\1.\2/p')
+cublas_args=""
+if [ ! -f "$cuda_root/include/cublas_v2.h" ]; then
+  # A toolkit without cuBLAS (this machine's nvcc 13.0 has none): ggml-cuda links CUDA::cublas, so take its
+  # headers and libraries, for linking only, from NVIDIA's nvidia-cublas wheel of the same CUDA minor
+  # version (the oldest of the major: the device's own, newer or equal, libcublas.so.N satisfies it).
+  echo ">>    no cuBLAS in $cuda_root: staging nvidia-cublas==$cuda_version.* for the link"
+  stage="$CARRY/cublas"
+  "$PY" -m pip download --quiet --no-deps --only-binary=:all: "nvidia-cublas==$cuda_version.*" -d "$stage/dl"
+  "$PY" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$stage"/dl/nvidia_cublas-*.whl "$stage/x"
+  lib=$(dirname "$(find "$stage/x" -name 'libcublas.so.*' | head -1)")
+  inc=$(readlink -f "$lib/../include")
+  for name in cublas cublasLt; do ln -sf "$(basename "$(ls "$lib"/lib$name.so.* | head -1)")" "$lib/lib$name.so"; done
+  lib=$(readlink -f "$lib")
+  cublas_args="-DCUDA_cublas_LIBRARY=$lib/libcublas.so -DCUDA_cublasLt_LIBRARY=$lib/libcublasLt.so -DCMAKE_CUDA_FLAGS=-I$inc -DCMAKE_CXX_FLAGS=-I$inc"
+fi
+if ! find "$cuda_root/" -name 'libcuda.so' 2>/dev/null | grep -q .; then
+  # No driver library to link against (no GPU here, no stubs in this toolkit): ggml-cuda then skips the
+  # driver's virtual memory pool and uses its pooled cudaMalloc allocator instead (GGML_CUDA_NO_VMM).
+  echo ">>    no libcuda.so (driver stub) in $cuda_root: building with GGML_CUDA_NO_VMM=ON"
+  cublas_args="$cublas_args -DGGML_CUDA_NO_VMM=ON"
+fi
 CUDACXX="$NVCC" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $cublas_args" \
   "$PY" -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python "$LLAMA" -w "$CARRY/build"
 
 echo ">> 2/4 stripping symbols from its shared libraries"
@@ -39,7 +64,7 @@ wheel=$(ls "$CARRY"/build/llama_cpp_python-*.whl)
 "$PY" -m wheel unpack "$wheel" -d "$CARRY/build/unpacked"
 find "$CARRY/build/unpacked" -name '*.so*' -type f -exec strip --strip-unneeded {} +
 "$PY" -m wheel pack "$CARRY"/build/unpacked/llama_cpp_python-* -d "$CARRY/wheels"
-rm -rf "$CARRY/build"
+rm -rf "$CARRY/build" "$CARRY/cublas"
 
 echo ">> 3/4 serving dependencies for CPython 3.12 (the device image has numpy, jinja2, anyio, h11, click, httpx, pyyaml, tqdm, requests)"
 "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
