@@ -63,6 +63,17 @@ echo ">> 2/4 stripping symbols from its shared libraries"
 wheel=$(ls "$CARRY"/build/llama_cpp_python-*.whl)
 "$PY" -m wheel unpack "$wheel" -d "$CARRY/build/unpacked"
 find "$CARRY/build/unpacked" -name '*.so*' -type f -exec strip --strip-unneeded {} +
+# A wheel cannot hold symlinks: each library is in it under all its names (x.so, x.so.0, x.so.0.25.3), in
+# llama_cpp/lib/ and again in lib/ (with include/): 6 copies of the 38 MB (compressed) libggml-cuda, 267 MB.
+# Keep llama_cpp/lib/ only, each library once under its soname (x.so.0, what the loader asks for), plus the
+# plain name of those llama_cpp opens itself with ctypes.
+u=$(ls -d "$CARRY"/build/unpacked/llama_cpp_python-*)
+rm -rf "$u/lib" "$u/include" "$u/bin"
+for f in "$u"/llama_cpp/lib/*.so.*.*; do [ -e "$f" ] && rm -f "$f"; done
+for f in "$u"/llama_cpp/lib/*.so; do
+  base=$(basename "$f" .so)
+  case "$base" in libllama|libggml|libmtmd|libllava) ;; *) ls "$f".* >/dev/null 2>&1 && rm -f "$f" ;; esac
+done
 "$PY" -m wheel pack "$CARRY"/build/unpacked/llama_cpp_python-* -d "$CARRY/wheels"
 rm -rf "$CARRY/build" "$CARRY/cublas"
 
