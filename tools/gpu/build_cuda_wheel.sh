@@ -26,7 +26,9 @@ rm -rf "$CARRY" && mkdir -p "$CARRY/wheels" "$CARRY/build"
 pin() {  # the version this checkout's venv runs, so the device runs the same code
   "$PY" -m pip freeze 2>/dev/null | grep -i "^$1==" | head -1
 }
-LLAMA=$(grep -o 'llama-cpp-python==[0-9.]*' container/pyproject.toml)
+# shellcheck source=tools/sdist_common.sh
+. tools/sdist_common.sh   # the llama-cpp-python pin, as the CPU build and llama-server read it
+LLAMA="llama-cpp-python==$version"
 
 echo ">> 1/4 building $LLAMA with CUDA for sm_90 (H100/H200) only"
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
@@ -34,7 +36,7 @@ NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 cuda_root=$("$NVCC" --dryrun -x cu -c /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)
 cuda_root=$(readlink -f "${cuda_root:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}")
 cuda_version=$("$NVCC" --version | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\).*/\1.\2/p')
-cublas_args=""
+cmake_extra=""
 if [ ! -f "$cuda_root/include/cublas_v2.h" ]; then
   # A toolkit without cuBLAS (this machine's nvcc 13.0 has none): ggml-cuda links CUDA::cublas, so take its
   # headers and libraries, for linking only, from NVIDIA's nvidia-cublas wheel of the same CUDA minor
@@ -47,16 +49,16 @@ if [ ! -f "$cuda_root/include/cublas_v2.h" ]; then
   inc=$(readlink -f "$lib/../include")
   for name in cublas cublasLt; do ln -sf "$(basename "$(ls "$lib"/lib$name.so.* | head -1)")" "$lib/lib$name.so"; done
   lib=$(readlink -f "$lib")
-  cublas_args="-DCUDA_cublas_LIBRARY=$lib/libcublas.so -DCUDA_cublasLt_LIBRARY=$lib/libcublasLt.so -DCMAKE_CUDA_FLAGS=-I$inc -DCMAKE_CXX_FLAGS=-I$inc"
+  cmake_extra="-DCUDA_cublas_LIBRARY=$lib/libcublas.so -DCUDA_cublasLt_LIBRARY=$lib/libcublasLt.so -DCMAKE_CUDA_FLAGS=-I$inc -DCMAKE_CXX_FLAGS=-I$inc"
 fi
 if ! find "$cuda_root/" -name 'libcuda.so' 2>/dev/null | grep -q .; then
   # No driver library to link against (no GPU here, no stubs in this toolkit): ggml-cuda then skips the
   # driver's virtual memory pool and uses its pooled cudaMalloc allocator instead (GGML_CUDA_NO_VMM).
   echo ">>    no libcuda.so (driver stub) in $cuda_root: building with GGML_CUDA_NO_VMM=ON"
-  cublas_args="$cublas_args -DGGML_CUDA_NO_VMM=ON"
+  cmake_extra="$cmake_extra -DGGML_CUDA_NO_VMM=ON"
 fi
 CUDACXX="$NVCC" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $cublas_args" \
+CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $cmake_extra" \
   "$PY" -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python "$LLAMA" -w "$CARRY/build"
 
 echo ">> 2/4 stripping symbols from its shared libraries"
