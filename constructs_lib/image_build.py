@@ -116,7 +116,8 @@ class AdapterImageRepository(Construct):
             build_environment=codebuild.BuildEnvironment(
                 build_image=codebuild.LinuxBuildImage.STANDARD_7_0, compute_type=spec.compute_type,
                 privileged=True),  # docker build needs the Docker daemon
-            # Same-host layer reuse on top of the registry cache the buildspec uses.
+            # Same-host layer reuse on top of the registry cache: build-image.sh builds on the Docker daemon's own
+            # BuildKit, whose layers this cache keeps.
             cache=codebuild.Cache.local(codebuild.LocalCacheMode.DOCKER_LAYER),
             timeout=BUILD_TIMEOUT,
             env={
@@ -140,6 +141,8 @@ class AdapterImageRepository(Construct):
                              "ecr:InitiateLayerUpload", "ecr:UploadLayerPart", "ecr:CompleteLayerUpload",
                              "ecr:PutImage", "ecr:DescribeImages"],
                     resources=[self.repository.repository_arn, self.cache_repository.repository_arn]),
+                # build-image.sh removes a tag it pushed (or found) whose manifest SageMaker would refuse.
+                iam.PolicyStatement(actions=["ecr:BatchDeleteImage"], resources=[self.repository.repository_arn]),
                 iam.PolicyStatement(
                     actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
                     resources=[f"arn:{stack.partition}:ecr:{stack.region}:{dlc_account}:repository/{DLC_REPOSITORY}"]),

@@ -177,7 +177,6 @@ class PipelineStack(Stack):
                 stack_steps=[pipelines.StackSteps(stack=stage.stacks.decision, pre=[self._model_check_step(spec)])],
             )
         self.pipeline.build_pipeline()
-        self._limit_image_builds()
         self._acknowledge_framework_findings()
 
     def _check_step(self, id_: str, *, role_arn: str, region: str, commands: list[str],
@@ -235,13 +234,6 @@ class PipelineStack(Stack):
                 '[ "$(date +%s)" -ge "$end" ] && break; sleep 60; done',
                 'echo "bake passed: no alarm fired"',
             ])
-
-    def _limit_image_builds(self) -> None:
-        """One build per variant project at a time: a retry or a second execution queues behind the running
-        build, then finds its tag already pushed and builds nothing."""
-        for project in self.node.find_all():
-            if isinstance(project, codebuild.CfnProject) and str(project.name or "").startswith("semif-adapter-image-"):
-                project.concurrent_build_limit = 1
 
     def _acknowledge_framework_findings(self) -> None:
         """CDK Pipelines writes these policies itself; each finding is named with why it stays."""
