@@ -14,6 +14,7 @@ from constructs import Construct
 from constructs_lib.model_bucket import ModelBucket
 from constructs_lib.model_check import MANIFEST_NAME, manifest_key as model_manifest_key  # noqa: F401 (MANIFEST_NAME: re-exported)
 from constructs_lib.nag import acknowledge_wildcard_resource, checkov_skip
+from constructs_lib.trust import named_role_principal
 from stacks.outputs import publish
 
 _COLON_RESOURCE_NAME = ArnFormat.COLON_RESOURCE_NAME
@@ -59,6 +60,16 @@ class SharedStack(Stack):
         self.alarm_topic = sns.Topic(self, "AlarmTopic", topic_name=alarm_topic_name(env_name),
                                      display_name=f"SemIf {env_name} alarms", master_key=self.alarm_key,
                                      enforce_ssl=True)
+        # enforce_ssl writes a topic policy, which replaces SNS's default one: without this statement CloudWatch
+        # may not publish, and every alarm action fails silently. This account's alarms only.
+        self.alarm_topic.add_to_resource_policy(iam.PolicyStatement(
+            sid="CloudWatchAlarmsPublish",
+            principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+            actions=["sns:Publish"], resources=[self.alarm_topic.topic_arn],
+            conditions={"StringEquals": {"aws:SourceAccount": self.account},
+                        "ArnLike": {"aws:SourceArn": self.format_arn(
+                            service="cloudwatch", resource="alarm", resource_name="*",
+                            arn_format=_COLON_RESOURCE_NAME)}}))
         if alarm_email:
             self.alarm_topic.add_subscription(subs.EmailSubscription(alarm_email))
 
@@ -81,7 +92,7 @@ class SharedStack(Stack):
         It trusts one named role of the pipeline account (not the account), and reads only what those checks read.
         """
         role = iam.Role(self, "PipelineCheckRole", role_name=pipeline_check_role_name(env_name),
-                        assumed_by=iam.ArnPrincipal(principal_arn),
+                        assumed_by=named_role_principal(principal_arn),
                         description="The pipeline's model check, smoke tests and bake check for this environment")
         manifest_key = model_manifest_key(model_prefix)
         role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"],

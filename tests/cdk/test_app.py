@@ -372,9 +372,93 @@ def test_every_environment_check_role_trusts_the_pipelines_named_check_role_only
         template.has_resource_properties("AWS::IAM::Role", {
             "RoleName": f"semif-{env}-pipeline-check",
             "AssumeRolePolicyDocument": {"Statement": [Match.object_like({
-                "Principal": {"AWS": "arn:aws:iam::333333333333:role/semif-pipeline-checks"}})],
+                "Principal": {"AWS": {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"},
+                                                        ":iam::333333333333:root"]]}},
+                "Condition": {"ArnEquals": {
+                    "aws:PrincipalArn": ["arn:aws:iam::333333333333:role/semif-pipeline-checks"]}}})],
                 "Version": "2012-10-17"},
         })
+
+
+def _roles_of_stacks(assembly) -> dict[str, set[str]]:
+    """Stack name -> the names of the IAM roles it creates."""
+    return {name: {r["Properties"]["RoleName"] for r in t["Resources"].values()
+                   if r["Type"] == "AWS::IAM::Role" and isinstance(r["Properties"].get("RoleName"), str)}
+            for name, t in templates(assembly).items()}
+
+
+@pytest.mark.parametrize("assembly_name", ["dev_assembly", "prod_assembly", "pipeline_assembly"])
+def test_no_trust_policy_names_a_role_of_another_stack_as_its_principal(request, assembly_name):
+    """IAM refuses a trust policy whose principal role does not exist yet ("Invalid principal"): a hand deploy of an
+    environment before the pipeline stack would fail, and so would any deploy order the stacks do not force."""
+    _, assembly = request.getfixturevalue(assembly_name)
+    created_by = {role: stack for stack, roles in _roles_of_stacks(assembly).items() for role in roles}
+    created_by["semif-pipeline-checks"] = "semif-pipeline"  # a stack of another assembly, for the environment apps
+    found = []
+    for name, template in templates(assembly).items():
+        for logical_id, resource in template["Resources"].items():
+            if resource["Type"] != "AWS::IAM::Role":
+                continue
+            for statement in resource["Properties"]["AssumeRolePolicyDocument"]["Statement"]:
+                for principal in _as_list(statement.get("Principal", {}).get("AWS", [])):
+                    if isinstance(principal, str) and ":role/" in principal:
+                        owner = created_by.get(principal.rsplit("/", 1)[-1])
+                        if owner is not None and owner != name:
+                            found.append(f"{name}/{logical_id} trusts {principal} of {owner}")
+    assert found == []
+
+
+def _as_list(value):
+    return value if isinstance(value, list) else [value]
+
+
+def _alarm_topics_and_policies(template: dict) -> tuple[set[str], dict[str, list[dict]]]:
+    resources = template["Resources"]
+    topics = {k for k, r in resources.items() if r["Type"] == "AWS::SNS::Topic"}
+    policies: dict[str, list[dict]] = {}
+    for resource in resources.values():
+        if resource["Type"] == "AWS::SNS::TopicPolicy":
+            for topic in resource["Properties"]["Topics"]:
+                policies.setdefault(topic["Ref"], []).extend(resource["Properties"]["PolicyDocument"]["Statement"])
+    return topics, policies
+
+
+@pytest.mark.parametrize("assembly_name", ["dev_assembly", "prod_assembly", "pipeline_assembly"])
+def test_every_alarm_topic_lets_cloudwatch_publish(request, assembly_name):
+    _, assembly = request.getfixturevalue(assembly_name)
+    checked = 0
+    for name, template in templates(assembly).items():
+        topics, policies = _alarm_topics_and_policies(template)
+        for topic in topics:
+            if topic not in policies:
+                continue  # no topic policy: SNS's default one lets the account's CloudWatch publish
+            allows = [s for s in policies[topic] if s["Effect"] == "Allow"
+                      and s.get("Principal") == {"Service": "cloudwatch.amazonaws.com"}
+                      and "sns:Publish" in _as_list(s["Action"])]
+            assert allows, f"{name}: topic {topic} has a policy without an Allow for CloudWatch"
+            checked += 1
+    assert checked >= 1  # the shared stacks' alarm topics carry the SSL-only policy
+
+
+@pytest.mark.parametrize("assembly_name", ["dev_assembly", "prod_assembly", "pipeline_assembly"])
+def test_no_alarm_of_any_environment_fires_while_its_endpoint_provisions(request, assembly_name):
+    """A breaching-on-missing alarm goes to ALARM when its whole evaluation range is missing (CloudWatch's
+    documented rule): every instance alarm at create, which would page prod and fail staging's bake."""
+    _, assembly = request.getfixturevalue(assembly_name)
+    instance_alarms = 0
+    for name, template in templates(assembly).items():
+        resources = template["Resources"]
+        endpoints = {k for k, r in resources.items() if r["Type"] == "AWS::SageMaker::Endpoint"}
+        for logical_id, alarm in resources.items():
+            if alarm["Type"] != "AWS::CloudWatch::Alarm":
+                continue
+            properties = alarm["Properties"]
+            assert properties.get("TreatMissingData", "missing") != "breaching", (name, properties["AlarmName"])
+            if properties.get("Namespace") == "/aws/sagemaker/Endpoints" or "/aws/sagemaker/Endpoints" in json.dumps(
+                    properties.get("Metrics", [])):
+                assert endpoints & set(alarm.get("DependsOn", [])), (name, properties["AlarmName"])
+                instance_alarms += 1
+    assert instance_alarms >= 4
 
 
 def test_resource_counts(dev_assembly, prod_assembly, pipeline_assembly):

@@ -86,6 +86,23 @@ def test_alarm_topic_is_kms_encrypted_and_only_this_accounts_cloudwatch_may_use_
     shared.has_resource_properties("AWS::SNS::Subscription", {"Protocol": "email", "Endpoint": "ops@example.com"})
 
 
+def test_the_alarm_topic_lets_this_accounts_cloudwatch_alarms_publish(shared):
+    """The SSL-only topic policy replaces SNS's default one: CloudWatch needs its own Allow, or every alarm action
+    fails (the alarm history shows "not authorized to perform: SNS:Publish")."""
+    (topic_id,) = shared.find_resources("AWS::SNS::Topic")
+    (policy,) = shared.find_resources("AWS::SNS::TopicPolicy").values()
+    assert policy["Properties"]["Topics"] == [{"Ref": topic_id}]
+    statements = policy["Properties"]["PolicyDocument"]["Statement"]
+    (allow,) = [s for s in statements if s["Effect"] == "Allow"]
+    assert allow["Principal"] == {"Service": "cloudwatch.amazonaws.com"}
+    assert allow["Action"] == "sns:Publish" and allow["Resource"] == {"Ref": topic_id}
+    assert allow["Condition"]["StringEquals"] == {"aws:SourceAccount": "123456789012"}
+    assert allow["Condition"]["ArnLike"] == {"aws:SourceArn": {"Fn::Join": ["", [
+        "arn:", {"Ref": "AWS::Partition"}, ":cloudwatch:us-east-1:123456789012:alarm:*"]]}}
+    (deny,) = [s for s in statements if s["Effect"] == "Deny"]
+    assert deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+
+
 def test_stable_shared_outputs_are_exported_and_the_model_prefix_is_in_ssm_only(shared):
     for key, export in [("model-bucket/name", "semif-test-model-bucket-name"),
                         ("alarm-topic-arn", "semif-test-alarm-topic-arn")]:
@@ -115,7 +132,10 @@ def test_pipeline_check_role_trusts_one_named_pipeline_role_and_reads_only_the_m
     (role,) = [r["Properties"] for r in shared.find_resources("AWS::IAM::Role").values()
                if r["Properties"].get("RoleName") == "semif-test-pipeline-check"]
     (trust,) = role["AssumeRolePolicyDocument"]["Statement"]
-    assert trust["Principal"] == {"AWS": CHECK_PRINCIPAL}
+    # The pipeline's role by ARN in a condition, not as the principal: IAM refuses a principal role that does not
+    # exist yet (a hand deploy before the pipeline), and one re-created under the same name would not match.
+    assert trust["Principal"] == {"AWS": {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":iam::333333333333:root"]]}}
+    assert trust["Condition"] == {"ArnEquals": {"aws:PrincipalArn": [CHECK_PRINCIPAL]}}
     policy = json.dumps([p for k, p in shared.find_resources("AWS::IAM::Policy").items()
                          if k.startswith("PipelineCheckRole")])
     assert "models/m/1/model-manifest.json" in policy and "models/m/1/*" not in policy
