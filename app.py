@@ -188,14 +188,20 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                 stacks = add_environment(stage, env, settings=settings, aws_env=None,
                                          adapter_image_digest=_digest_for(digests, env.variant),
                                          synthesizer=stage_stack_synthesizer)
-                return StageStacks(decision=stacks.decision, endpoint_name_output=stacks.decision.endpoint_name_output)
+                endpoints = [stacks.decision.endpoint] + ([stacks.text.endpoint] if stacks.text else [])
+                return StageStacks(decision=stacks.decision, endpoint_name_output=stacks.decision.endpoint_name_output,
+                                   stacks=[s for s in (stacks.shared, stacks.decision, stacks.text) if s is not None],
+                                   endpoint_names=[e.endpoint_name for e in endpoints],
+                                   alarm_names=[name for e in endpoints for name in e.alarm_names])
 
             # The manifest `semif-package-model upload` writes: in the prefix, or beside the .tar.gz.
             manifest = manifest_key(env.model_prefix)
             specs.append(PipelineStageSpec(
-                name=name, account=env.account, region=env.region, needs_approval=name in pipeline.approval_before,
+                name=name, account=env.account, region=env.region, variant=env.variant,
+                needs_approval=name in pipeline.approval_before,
                 check_role_arn=f"arn:aws:iam::{env.account}:role/{pipeline_check_role_name(name)}",
-                model_bucket=model_bucket_name(settings.project, name, env.account, env.region), manifest_key=manifest,
+                model_bucket=model_bucket_name(settings.project, name, env.account, env.region),
+                model_prefix=env.model_prefix, manifest_key=manifest,
                 chat_endpoint=env.text.endpoint_name if env.text else None, build=build))
         by_name = {s.name: s for s in specs}
         PipelineStack(app, "SemIf-Pipeline", stack_name="semif-pipeline",

@@ -13,6 +13,7 @@ from constructs import Construct
 
 from constructs_lib.model_bucket import ModelBucket
 from constructs_lib.model_check import MANIFEST_NAME, manifest_key as model_manifest_key  # noqa: F401 (MANIFEST_NAME: re-exported)
+from constructs_lib.model_check import model_object_listing, model_object_patterns
 from constructs_lib.nag import acknowledge_wildcard_resource, checkov_skip
 from constructs_lib.trust import named_role_principal
 from stacks.outputs import publish
@@ -89,15 +90,23 @@ class SharedStack(Stack):
                              endpoint_names: tuple[str, ...]) -> iam.Role:
         """The pipeline's pre-deploy model check, post-deploy smoke tests and bake step run as this role.
 
-        It trusts one named role of the pipeline account (not the account), and reads only what those checks read.
+        It trusts one named role of the pipeline account, and reads only what those checks read.
         """
         role = iam.Role(self, "PipelineCheckRole", role_name=pipeline_check_role_name(env_name),
                         assumed_by=named_role_principal(principal_arn),
                         description="The pipeline's model check, smoke tests and bake check for this environment")
-        manifest_key = model_manifest_key(model_prefix)
+        # The pipeline's CheckModel step runs the model check custom resource's own check: the same objects.
+        patterns = model_object_patterns(model_prefix)
         role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"],
-                                               resources=[self.models.bucket.arn_for_objects(manifest_key)]))
+                                               resources=[self.models.bucket.arn_for_objects(p) for p in patterns]))
+        role.add_to_policy(model_object_listing(self.models.bucket, model_prefix))
         role.add_to_policy(iam.PolicyStatement(actions=["kms:Decrypt"], resources=[self.models.key.key_arn]))
+        for pattern in patterns:
+            if pattern.endswith("*.gguf"):
+                acknowledge_wildcard_resource(
+                    role, self.models.bucket.arn_for_objects(pattern),
+                    "The model check reads the GGUF the manifest names, directly in this model's prefix; its file "
+                    "name is in the manifest, not known at synth.")
         endpoints = [self.format_arn(service="sagemaker", resource="endpoint", resource_name=name)
                      for name in endpoint_names]
         if endpoints:

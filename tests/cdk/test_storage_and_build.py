@@ -37,7 +37,7 @@ def shared_dev():
 def images():
     stack = Stack(App(), "Images", env=Environment(account="333333333333", region="us-east-1"))
     AdapterImageRepository(stack, "AdapterImages", keep_last_images=12,
-                           pull_accounts=["111111111111", "222222222222", "333333333333"])
+                           pull_accounts=["111111111111", "222222222222", "333333333333"], environments=["dev", "prod"])
     return Template.from_stack(stack)
 
 
@@ -138,7 +138,9 @@ def test_pipeline_check_role_trusts_one_named_pipeline_role_and_reads_only_the_m
     assert trust["Condition"] == {"ArnEquals": {"aws:PrincipalArn": [CHECK_PRINCIPAL]}}
     policy = json.dumps([p for k, p in shared.find_resources("AWS::IAM::Policy").items()
                          if k.startswith("PipelineCheckRole")])
-    assert "models/m/1/model-manifest.json" in policy and "models/m/1/*" not in policy
+    # What the model check reads (the pipeline's CheckModel step runs it): the manifest and the prefix's GGUFs.
+    assert "models/m/1/model-manifest.json" in policy and "models/m/1/*.gguf" in policy
+    assert '"models/m/1/*"' not in policy and "models/m/1/*\"" not in policy
     assert "endpoint/semif-test-decision" in policy
     assert "alarm:semif-test-decision-*" in policy
 
@@ -146,8 +148,9 @@ def test_pipeline_check_role_trusts_one_named_pipeline_role_and_reads_only_the_m
 def test_for_a_tarball_the_pipeline_check_role_reads_the_manifest_beside_it_as_the_model_check_does():
     policy = json.dumps([p for k, p in shared_stack(model_prefix="models/m/2/model.tar.gz").find_resources(
         "AWS::IAM::Policy").items() if k.startswith("PipelineCheckRole")])
-    # Where `semif-package-model upload --tar-gz` writes it, and where the custom resource reads it.
-    assert "models/m/2/model-manifest.json" in policy and "model.tar.gz" not in policy
+    # Where `semif-package-model upload --tar-gz` writes it, and where the custom resource reads it; and the tarball.
+    assert "models/m/2/model-manifest.json" in policy and "models/m/2/model.tar.gz" in policy
+    assert "*" not in policy.replace("alarm:semif-test-decision-*", "")
 
 
 def test_central_repository_keeps_immutable_scanned_encrypted_images_and_lets_environment_accounts_pull(images):
@@ -156,8 +159,14 @@ def test_central_repository_keeps_immutable_scanned_encrypted_images_and_lets_en
     assert image_repo["ImageTagMutability"] == "IMMUTABLE"
     assert image_repo["ImageScanningConfiguration"] == {"ScanOnPush": True}
     assert image_repo["EncryptionConfiguration"]["EncryptionType"] == "KMS"
-    lifecycle = json.loads(image_repo["LifecyclePolicy"]["LifecyclePolicyText"])
-    assert lifecycle["rules"][0]["selection"]["countNumber"] == 12
+    lifecycle = json.loads(image_repo["LifecyclePolicyText"] if "LifecyclePolicyText" in image_repo
+                           else image_repo["LifecyclePolicy"]["LifecyclePolicyText"])
+    # The images each environment was last deployed with first; the 'any' rule (which ECR requires last) cannot
+    # expire an image a higher-priority rule's tags select (tests/cdk/test_app.py simulates 60 releases).
+    rules = sorted(lifecycle["rules"], key=lambda r: r["rulePriority"])
+    assert [r["selection"].get("tagPrefixList") for r in rules] == [["deployed-dev-"], ["deployed-prod-"], None]
+    assert rules[-1]["selection"]["tagStatus"] == "any"
+    assert all(r["selection"]["countNumber"] == 12 for r in rules)
     (statement,) = image_repo["RepositoryPolicyText"]["Statement"]
     principals = json.dumps(statement["Principal"])
     assert "111111111111" in principals and "222222222222" in principals and "333333333333" not in principals
