@@ -85,6 +85,46 @@ def test_synth_without_a_promoted_image_digest_says_how_to_get_one(tmp_path):
         synth_real_app(tmp_path, env="prod")
 
 
+ZERO = "sha256:" + "0" * 64
+
+
+def _rule_holds(expression) -> bool:
+    """A rule assertion made of the two rule functions the app uses, evaluated as CloudFormation does."""
+    ((function, arguments),) = expression.items()
+    if function == "Fn::Not":
+        return not _rule_holds(arguments[0])
+    if function == "Fn::Equals":
+        return arguments[0] == arguments[1]
+    raise AssertionError(f"unexpected rule function {function}")
+
+
+def _image_rules(template: dict) -> dict[str, dict]:
+    return {k: r for k, r in template.get("Rules", {}).items() if k != "CheckBootstrapVersion"}
+
+
+def test_a_placeholder_digest_synthesizes_but_cloudformation_refuses_to_deploy_it(tmp_path, dev_assembly):
+    """CloudFormation evaluates a template's rules before it creates or updates anything (`cdk deploy` and the
+    pipeline's change sets alike): a failed assertion refuses the deploy with its description."""
+    _, assembly = synth_real_app(tmp_path, env="dev", **{"adapter-image-cpu": ZERO})
+    stacks = templates(assembly)
+    (adapter_rule,) = _image_rules(stacks["semif-dev-decision"]).values()
+    (assertion,) = adapter_rule["Assertions"]
+    assert _rule_holds(assertion["Assert"]) is False
+    assert "adapter image is the all-zero placeholder" in assertion["AssertDescription"]
+    assert ("aws ecr describe-images --region us-east-1 --registry-id 333333333333 --repository-name semif/adapter "
+            "--filter tagStatus=TAGGED --query \"reverse(sort_by(imageDetails[?contains(join(',', imageTags), "
+            "'deployed-dev-')], &imagePushedAt))[0].imageDigest\" --output text") in assertion["AssertDescription"]
+    # The example config's DLC pins are placeholders too: the chat stack refuses, naming the DLC's look-up.
+    (dlc_rule,) = _image_rules(stacks["semif-dev-text"]).values()
+    (assertion,) = dlc_rule["Assertions"]
+    assert _rule_holds(assertion["Assert"]) is False
+    assert ("aws ecr batch-get-image --region us-east-1 --registry-id 763104351884 --repository-name llama-cpp "
+            "--image-ids imageTag=server-sagemaker-cpu-v1 --query 'images[0].imageId.imageDigest' --output text"
+            ) in assertion["AssertDescription"]
+    # A real digest: no rule, nothing refused.
+    assert _image_rules(templates(dev_assembly[1])["semif-dev-decision"]) == {}
+
+
 def _rendered(value) -> str:
     """An image URI as CloudFormation renders it in the aws partition (URLSuffix = amazonaws.com)."""
     if isinstance(value, str):
