@@ -6,7 +6,7 @@ endpoint is created, and the pipeline checks that with the role defined here.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from aws_cdk import ArnFormat, RemovalPolicy, Stack, aws_iam as iam, aws_kms as kms, aws_sns as sns, aws_sns_subscriptions as subs
 from constructs import Construct
@@ -33,7 +33,9 @@ class SharedStack(Stack):
     def __init__(self, scope: Construct, id_: str, *, env_name: str, model_bucket_name: str, model_prefix: str,
                  alarm_email: Optional[str] = None, removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
                  pipeline_check_principal_arn: Optional[str] = None, endpoint_names: tuple[str, ...] = (),
-                 **kwargs) -> None:
+                 check_reads: Sequence[str] = (), check_writes: Sequence[str] = (), **kwargs) -> None:
+        """``check_reads`` / ``check_writes``: prefixes of the model bucket (``eval/``, ``reports/``) the pipeline's
+        stage checks (``stacks.pipeline_stack.StageCheck``) read or write as this environment's check role."""
         super().__init__(scope, id_, **kwargs)
         self.models = ModelBucket(self, "Models", bucket_name=model_bucket_name, removal_policy=removal_policy,
                                   auto_delete_objects=removal_policy == RemovalPolicy.DESTROY)
@@ -78,6 +80,7 @@ class SharedStack(Stack):
         if pipeline_check_principal_arn:
             self.pipeline_check_role = self._pipeline_check_role(env_name, model_prefix, pipeline_check_principal_arn,
                                                                  endpoint_names)
+            self._grant_check_prefixes(self.pipeline_check_role, reads=check_reads, writes=check_writes)
 
         publish(self, env_name=env_name, key="model-bucket/name", value=self.models.bucket.bucket_name,
                 description="S3 bucket holding models under models/<name>/<version>/")
@@ -85,6 +88,28 @@ class SharedStack(Stack):
                 description="Model prefix the endpoints serve")
         publish(self, env_name=env_name, key="alarm-topic-arn", value=self.alarm_topic.topic_arn,
                 description="SNS topic receiving the endpoints' alarms")
+
+    def _grant_check_prefixes(self, role: iam.Role, *, reads: Sequence[str], writes: Sequence[str]) -> None:
+        """Read (and list) the objects under each of ``reads``, write under each of ``writes``, with the model key."""
+        for prefix in (*reads, *writes):
+            if not prefix.endswith("/") or prefix.startswith("/"):
+                raise ValueError(f"check prefix {prefix!r}: a key prefix of the model bucket ending in '/'")
+        if reads:
+            role.add_to_policy(iam.PolicyStatement(
+                actions=["s3:GetObject"], resources=[self.models.bucket.arn_for_objects(f"{p}*") for p in reads]))
+            role.add_to_policy(iam.PolicyStatement(
+                actions=["s3:ListBucket"], resources=[self.models.bucket.bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{p}*" for p in reads]}}))
+        if writes:
+            role.add_to_policy(iam.PolicyStatement(
+                actions=["s3:PutObject", "s3:AbortMultipartUpload"],
+                resources=[self.models.bucket.arn_for_objects(f"{p}*") for p in writes]))
+            role.add_to_policy(iam.PolicyStatement(actions=["kms:GenerateDataKey"],
+                                                   resources=[self.models.key.key_arn]))
+        for prefix in (*reads, *writes):
+            acknowledge_wildcard_resource(role, self.models.bucket.arn_for_objects(f"{prefix}*"),
+                                          f"The pipeline's stage checks read or write the objects under {prefix}, "
+                                          "whose names each run chooses.")
 
     def _pipeline_check_role(self, env_name: str, model_prefix: str, principal_arn: str,
                              endpoint_names: tuple[str, ...]) -> iam.Role:

@@ -145,6 +145,28 @@ def test_pipeline_check_role_trusts_one_named_pipeline_role_and_reads_only_the_m
     assert "alarm:semif-test-decision-*" in policy
 
 
+def test_stage_checks_read_and_write_only_the_prefixes_the_shared_stack_names_for_them():
+    template = shared_stack(check_reads=("eval/",), check_writes=("reports/",))
+    statements = [s for k, p in template.find_resources("AWS::IAM::Policy").items() if k.startswith("PipelineCheckRole")
+                  for s in p["Properties"]["PolicyDocument"]["Statement"]]
+    by_action = {}
+    for statement in statements:
+        for action in statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]:
+            by_action.setdefault(action, []).append(json.dumps(statement["Resource"]))
+    assert any("/eval/*" in r for r in by_action["s3:GetObject"])
+    assert all("/reports/" not in r for r in by_action["s3:GetObject"])
+    assert [r for r in by_action["s3:PutObject"]] == [r for r in by_action["s3:PutObject"] if "/reports/*" in r]
+    assert len(by_action["s3:PutObject"]) == 1
+    listing = [s for s in statements if s["Action"] == "s3:ListBucket" and "eval/*" in json.dumps(s)]
+    assert listing and listing[0]["Condition"] == {"StringLike": {"s3:prefix": ["eval/*"]}}
+    # Without stage checks, the role writes nothing.
+    plain = json.dumps([p for k, p in shared_stack().find_resources("AWS::IAM::Policy").items()
+                        if k.startswith("PipelineCheckRole")])
+    assert "s3:PutObject" not in plain
+    with pytest.raises(ValueError, match="ending in '/'"):
+        shared_stack(check_writes=("reports",))
+
+
 def test_for_a_tarball_the_pipeline_check_role_reads_the_manifest_beside_it_as_the_model_check_does():
     policy = json.dumps([p for k, p in shared_stack(model_prefix="models/m/2/model.tar.gz").find_resources(
         "AWS::IAM::Policy").items() if k.startswith("PipelineCheckRole")])

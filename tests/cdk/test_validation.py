@@ -301,6 +301,13 @@ def test_a_bake_must_name_a_stage_that_runs_before_its_target(tmp_path, raw_conf
         _load(tmp_path, raw)
 
 
+def test_the_repository_keeps_at_least_the_running_image_and_the_one_before(tmp_path, raw_config):
+    raw = copy.deepcopy(raw_config)
+    raw["pipeline"]["image_keep_last"] = 1
+    with pytest.raises(ConfigError, match="pipeline.image_keep_last: keep at least 2"):
+        _load(tmp_path, raw)
+
+
 def test_dlc_images_are_pinned_by_digest(tmp_path, raw_config):
     raw = copy.deepcopy(raw_config)
     raw["dlc_images"]["gpu"] = "server-sagemaker-cuda-v1"
