@@ -125,7 +125,7 @@ if [ "$SKIPPED" = false ]; then
          --build-arg LLAMA_CPP_VARIANT="$VARIANT"
          --build-arg BUILD_JOBS="$BUILD_JOBS"
          ${DOCKER_BUILD_ARGS:-})
-  cache_args=()
+  cache_from=()
   cache_images=()
   if [ -n "${CACHE_REPOSITORY_URI:-}" ]; then
     # The docker driver caches inline, in the image it pushes, and only the stages it exports: the compile stage
@@ -134,13 +134,27 @@ if [ "$SKIPPED" = false ]; then
     final_cache="${CACHE_REPOSITORY_URI}:${VARIANT}"
     "${build[@]}" --target builder --cache-from "type=registry,ref=${compile_cache}" \
       --build-arg BUILDKIT_INLINE_CACHE=1 --tag "$compile_cache" --load "$CONTEXT_DIR"
-    cache_images=("$compile_cache" "$final_cache")
-    cache_args=(--cache-from "type=registry,ref=${compile_cache}" --cache-from "type=registry,ref=${final_cache}"
-                --build-arg BUILDKIT_INLINE_CACHE=1 --tag "$final_cache")
+    cache_images=("$compile_cache")
+    cache_from=(--cache-from "type=registry,ref=${compile_cache}" --cache-from "type=registry,ref=${final_cache}"
+                --build-arg BUILDKIT_INLINE_CACHE=1)
   fi
-  "${build[@]}" "${cache_args[@]}" --tag "${REPOSITORY_URI}:${IMAGE_TAG}" --load "$CONTEXT_DIR"
-  if ! docker push "${REPOSITORY_URI}:${IMAGE_TAG}"; then
-    tag_exists "$IMAGE_TAG" || { echo "push of ${REPOSITORY_URI}:${IMAGE_TAG} failed" >&2; exit 1; }
+  pushed=true
+  # The classic image store pushes Docker manifests. The containerd image store (the default of new Docker 29
+  # installs) pushes what BuildKit built, so there the image exporter pushes, with Docker media types.
+  case "$(docker info --format '{{range .DriverStatus}}{{index . 1}} {{end}}' 2>/dev/null || true)" in
+    *io.containerd.snapshotter*)
+      "${build[@]}" ${cache_from[@]+"${cache_from[@]}"} \
+        --output "type=image,name=${REPOSITORY_URI}:${IMAGE_TAG},push=true,oci-mediatypes=false" "$CONTEXT_DIR" \
+        || pushed=false ;;
+    *)
+      final_tags=()
+      [ -z "${final_cache:-}" ] || { final_tags=(--tag "$final_cache"); cache_images+=("$final_cache"); }
+      "${build[@]}" ${cache_from[@]+"${cache_from[@]}"} ${final_tags[@]+"${final_tags[@]}"} \
+        --tag "${REPOSITORY_URI}:${IMAGE_TAG}" --load "$CONTEXT_DIR"
+      docker push "${REPOSITORY_URI}:${IMAGE_TAG}" || pushed=false ;;
+  esac
+  if [ "$pushed" = false ]; then
+    tag_exists "$IMAGE_TAG" || { echo "${REPOSITORY_URI}:${IMAGE_TAG} was not pushed (see above)" >&2; exit 1; }
     echo "${REPOSITORY_URI}:${IMAGE_TAG} was pushed by another build of the same inputs meanwhile: using it"
   fi
   # The cache is an optimisation: a failed cache push never fails the build.

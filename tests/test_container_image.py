@@ -270,6 +270,8 @@ state="$STUB_STATE"
 case "$(basename "$0") $*" in
   "aws ecr get-login-password"*) echo secret ;;
   "docker login"*) cat > /dev/null ;;
+  "docker info"*) echo "${IMAGE_STORE:-}" ;;
+  "docker buildx build"*"push=true"*) echo "${PUSHED_MEDIA_TYPE:-$DOCKER_MANIFEST}" > "$state" ;;
   "docker push"*cache*) ;;
   "docker push"*)
     if [ -n "$PUSH_RACE" ]; then echo "$DOCKER_MANIFEST" > "$state"; echo "tag already exists" >&2; exit 1; fi
@@ -438,7 +440,19 @@ def test_a_failed_push_fails_the_build(tmp_path):
     code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "PUSH_FAILS": "1"})
 
     assert code != 0
-    assert "push of" in stderr and not (tmp_path / "image-detail.json").exists()
+    assert "was not pushed" in stderr and not (tmp_path / "image-detail.json").exists()
+
+
+def test_on_the_containerd_image_store_the_exporter_pushes_with_docker_media_types(tmp_path):
+    """A containerd image store (new Docker 29 installs) would push what BuildKit built; its image exporter can be
+    told to write Docker media types."""
+    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV,
+                                                            "IMAGE_STORE": "io.containerd.snapshotter.v1"})
+    assert code == 0, stderr
+    build = _buildx(calls)
+    assert build[build.index("--output") + 1] == f"type=image,name={IMAGE_REF},push=true,oci-mediatypes=false"
+    assert "--load" not in build and f"docker push {IMAGE_REF}" not in calls
+    assert "--provenance=false" in build and exports["IMAGE_DIGEST"] == "sha256:" + "a" * 64
 
 
 def test_buildspec_without_a_base_image_fails_before_touching_any_registry(tmp_path):
