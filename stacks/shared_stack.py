@@ -12,8 +12,7 @@ from aws_cdk import ArnFormat, RemovalPolicy, Stack, aws_iam as iam, aws_kms as 
 from constructs import Construct
 
 from constructs_lib.model_bucket import ModelBucket
-from constructs_lib.model_check import MANIFEST_NAME, manifest_key as model_manifest_key  # noqa: F401 (MANIFEST_NAME: re-exported)
-from constructs_lib.model_check import model_object_listing, model_object_patterns
+from constructs_lib.model_check import MANIFEST_NAME, model_object_listing, model_object_patterns  # noqa: F401 (MANIFEST_NAME: re-exported)
 from constructs_lib.nag import acknowledge_wildcard_resource, checkov_skip
 from constructs_lib.trust import named_role_principal
 from stacks.outputs import publish
