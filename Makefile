@@ -70,9 +70,13 @@ llama-server: setup
 bench-llama-server: llama-server
 	$(PY) tools/bench_llama_server.py
 
-# The adapter image digest comes from the pipeline; the all-zero placeholder synthesizes without one.
+# Synthesize one environment's stacks for review: `make synth SYNTH_ENV=prod`. Without ADAPTER_IMAGE_CPU/_GPU (the digests the
+# pipeline built) the all-zero placeholder stands in; CloudFormation refuses to deploy a template that carries it.
+SYNTH_ENV ?= dev
 synth: setup
-	npx cdk synth --quiet -c adapter-image-cpu=sha256:$$(printf '0%.0s' $$(seq 64))
+	zero=sha256:$$(printf '0%.0s' $$(seq 64)); \
+	npx cdk synth --quiet -c env=$(SYNTH_ENV) -c adapter-image-cpu=$${ADAPTER_IMAGE_CPU:-$$zero} \
+	    -c adapter-image-gpu=$${ADAPTER_IMAGE_GPU:-$$zero}
 
 clean:
 	rm -rf $(VENV) .venv-checkov $(STAMP) node_modules cdk.out .build

@@ -27,7 +27,7 @@ from config.pricing import monthly_cost_table
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute, InstancePool
 from constructs_lib.image_build import IMAGE_REPOSITORY_NAME, read_image_digests
-from constructs_lib.image_sources import dlc_image_uri
+from constructs_lib.image_sources import PLACEHOLDER_DIGEST, dlc_image_uri
 from constructs_lib.model_bucket import model_bucket_name
 from constructs_lib.model_check import manifest_key
 from constructs_lib.serving_endpoint import target_concurrency
@@ -38,7 +38,6 @@ from stacks.shared_stack import SharedStack, pipeline_check_role_name
 from stacks.text_stack import TextStack
 
 ROOT = Path(__file__).resolve().parent
-PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
 # dev and staging are disposable; prod keeps its data on update and delete, but not after a failed first create.
 REMOVAL_BY_TIER = {"dev": RemovalPolicy.DESTROY, "staging": RemovalPolicy.DESTROY,
                    "prod": RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE}
@@ -188,14 +187,20 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                 stacks = add_environment(stage, env, settings=settings, aws_env=None,
                                          adapter_image_digest=_digest_for(digests, env.variant),
                                          synthesizer=stage_stack_synthesizer)
-                return StageStacks(decision=stacks.decision, endpoint_name_output=stacks.decision.endpoint_name_output)
+                endpoints = [stacks.decision.endpoint] + ([stacks.text.endpoint] if stacks.text else [])
+                return StageStacks(decision=stacks.decision, endpoint_name_output=stacks.decision.endpoint_name_output,
+                                   stacks=[s for s in (stacks.shared, stacks.decision, stacks.text) if s is not None],
+                                   endpoint_names=[e.endpoint_name for e in endpoints],
+                                   alarm_names=[name for e in endpoints for name in e.alarm_names])
 
             # The manifest `semif-package-model upload` writes: in the prefix, or beside the .tar.gz.
             manifest = manifest_key(env.model_prefix)
             specs.append(PipelineStageSpec(
-                name=name, account=env.account, region=env.region, needs_approval=name in pipeline.approval_before,
+                name=name, account=env.account, region=env.region, variant=env.variant,
+                needs_approval=name in pipeline.approval_before,
                 check_role_arn=f"arn:aws:iam::{env.account}:role/{pipeline_check_role_name(name)}",
-                model_bucket=model_bucket_name(settings.project, name, env.account, env.region), manifest_key=manifest,
+                model_bucket=model_bucket_name(settings.project, name, env.account, env.region),
+                model_prefix=env.model_prefix, manifest_key=manifest,
                 chat_endpoint=env.text.endpoint_name if env.text else None, build=build))
         by_name = {s.name: s for s in specs}
         PipelineStack(app, "SemIf-Pipeline", stack_name="semif-pipeline",
@@ -213,13 +218,13 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                                  adapter_image_digest=_digest_for(digests, env.variant))
         if digests[env.variant] == PLACEHOLDER_DIGEST:
             Annotations.of(stacks.decision).add_warning_v2(
-                "semif:placeholder-image", "adapter image digest is the all-zero placeholder: this synth deploys no "
-                "working endpoint")
+                "semif:placeholder-image", "adapter image digest is the all-zero placeholder: CloudFormation will "
+                "refuse to deploy this decision stack")
     for variant in ("cpu", "gpu"):
         if settings.dlc_images.digest(variant) == PLACEHOLDER_DIGEST:
             Annotations.of(app).add_warning_v2(
-                f"semif:dlc-{variant}-unpinned", f"config dlc_images.{variant} is the all-zero placeholder: pin the "
-                "DLC digest (docs/deploy.md, step 0) before deploying")
+                f"semif:dlc-{variant}-unpinned", f"config dlc_images.{variant} is the all-zero placeholder: the image "
+                "build and CloudFormation will refuse it; pin the DLC digest (docs/deploy.md, step 1)")
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return app
 

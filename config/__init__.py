@@ -339,6 +339,9 @@ def _check_pipeline(pipeline: PipelineSettings, environments: Mapping[str, Envir
             raise ConfigError(f"pipeline.bake_before: '{baked}' must be a stage that runs before '{target}'")
     if not 0 <= pipeline.bake_minutes <= 480:
         raise ConfigError("pipeline.bake_minutes: must be 0 to 480")
+    if pipeline.image_keep_last < 2:
+        raise ConfigError("pipeline.image_keep_last: keep at least 2 images per environment (the one it runs and the "
+                          "one it rolls back to)")
 
 
 def _fail(where: str, message: str) -> Any:

@@ -1,8 +1,10 @@
 """Alarms for SageMaker endpoints. Each goes to the SNS topic, on ALARM and on OK.
 
 Every alarm has a fixed name (``<endpoint>-<kind>``), so the endpoint's blue/green auto-rollback
-and the pipeline's bake step can name them. Missing data is chosen per alarm: an endpoint that
-stops reporting instance metrics is dead, and its CPU, memory and GPU alarms go to ALARM.
+and the pipeline's bake step can name them. No alarm treats missing data as breaching: CloudWatch puts
+such an alarm in ALARM when its whole evaluation range is missing, which is every alarm of an endpoint
+still provisioning. An endpoint that stops reporting instance metrics is dead: its CPU alarm goes to
+INSUFFICIENT_DATA, and that notifies the topic too.
 """
 
 from __future__ import annotations
@@ -81,17 +83,19 @@ def sagemaker_endpoint_alarms(scope: Construct, *, endpoint_name: str, variant_n
         "model_latency_p95": alarm("ModelLatencyP95Alarm", "latency-p95",
                                    f"ModelLatency p95 above {thresholds.model_latency_p95_ms} ms",
                                    metric("ModelLatency", "p95"), thresholds.model_latency_p95_ms * 1000, periods=3),
-        # Instance metrics stop when the endpoint has no healthy instance: missing data is an outage.
+        # Instance metrics: evaluated on the datapoints there are ('missing'), so an alarm created before its first
+        # datapoint waits in INSUFFICIENT_DATA instead of firing.
         "cpu_utilization": alarm("CpuUtilizationAlarm", "cpu-utilization",
-                                 f"CPUUtilization above {thresholds.cpu_utilization_pct}% of every vCPU, or no "
-                                 "instance reporting", metric("CPUUtilization", "Average", INSTANCE_NAMESPACE),
+                                 f"CPUUtilization above {thresholds.cpu_utilization_pct}% of every vCPU "
+                                 "(INSUFFICIENT_DATA: no instance reporting)",
+                                 metric("CPUUtilization", "Average", INSTANCE_NAMESPACE),
                                  thresholds.cpu_utilization_pct * compute.min_vcpus, periods=3,
-                                 missing=cloudwatch.TreatMissingData.BREACHING),
+                                 missing=cloudwatch.TreatMissingData.MISSING),
         "memory_utilization": alarm("MemoryUtilizationAlarm", "memory-utilization",
-                                    f"MemoryUtilization above {thresholds.memory_utilization_pct}%, or no instance "
-                                    "reporting", metric("MemoryUtilization", "Average", INSTANCE_NAMESPACE),
+                                    f"MemoryUtilization above {thresholds.memory_utilization_pct}%",
+                                    metric("MemoryUtilization", "Average", INSTANCE_NAMESPACE),
                                     thresholds.memory_utilization_pct, periods=3,
-                                    missing=cloudwatch.TreatMissingData.BREACHING),
+                                    missing=cloudwatch.TreatMissingData.MISSING),
         "disk_utilization": alarm("DiskUtilizationAlarm", "disk-utilization",
                                   f"DiskUtilization above {thresholds.disk_utilization_pct}%",
                                   metric("DiskUtilization", "Maximum", INSTANCE_NAMESPACE),
@@ -100,15 +104,15 @@ def sagemaker_endpoint_alarms(scope: Construct, *, endpoint_name: str, variant_n
     if compute.has_gpu:
         alarms["gpu_utilization"] = alarm(
             "GpuUtilizationAlarm", "gpu-utilization",
-            f"GPUUtilization above {thresholds.gpu_utilization_pct}% of every GPU, or no GPU reporting",
+            f"GPUUtilization above {thresholds.gpu_utilization_pct}% of every GPU",
             metric("GPUUtilization", "Average", INSTANCE_NAMESPACE),
-            thresholds.gpu_utilization_pct * compute.min_gpus, periods=3, missing=cloudwatch.TreatMissingData.BREACHING)
+            thresholds.gpu_utilization_pct * compute.min_gpus, periods=3, missing=cloudwatch.TreatMissingData.MISSING)
         alarms["gpu_memory_utilization"] = alarm(
             "GpuMemoryUtilizationAlarm", "gpu-memory-utilization",
             f"GPUMemoryUtilization above {thresholds.gpu_memory_utilization_pct}% of every GPU",
             metric("GPUMemoryUtilization", "Maximum", INSTANCE_NAMESPACE),
             thresholds.gpu_memory_utilization_pct * compute.min_gpus, periods=3,
-            missing=cloudwatch.TreatMissingData.BREACHING)
+            missing=cloudwatch.TreatMissingData.MISSING)
     if compute.autoscaling_enabled and compute.max_instances > compute.min_instances:
         # Each instance reports CPUUtilization once a minute: samples per 5 min / 5 = instances in service.
         instances = cloudwatch.MathExpression(
@@ -119,4 +123,11 @@ def sagemaker_endpoint_alarms(scope: Construct, *, endpoint_name: str, variant_n
             "ScalingAtMaxAlarm", "scaling-at-max",
             f"{compute.max_instances} instances (max_instances) for 30 min: raise max_instances or the quota",
             instances, compute.max_instances, periods=6, operator=at_least)
+    # A dead endpoint reports no CPUUtilization at all: one notification for it, from the CPU alarm.
+    alarms["cpu_utilization"].add_insufficient_data_action(cw_actions.SnsAction(topic))
     return alarms
+
+
+# Alarms on metrics an instance reports: they can only be evaluated once the endpoint has instances.
+INSTANCE_ALARMS = ("cpu_utilization", "memory_utilization", "disk_utilization", "gpu_utilization",
+                   "gpu_memory_utilization", "scaling_at_max")

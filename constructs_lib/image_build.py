@@ -63,6 +63,12 @@ def default_build_specs(*, cpu_base_image: str, gpu_base_image: str) -> list[Ima
     ]
 
 
+def deployed_tag_prefix(env_name: str) -> str:
+    """Tags ``<prefix><hex digest>`` mark the images an environment was deployed with (the pipeline's pre-deploy
+    step adds them); the repository's lifecycle keeps the last of those per environment."""
+    return f"deployed-{env_name}-"
+
+
 def image_project_name(variant: str) -> str:
     return f"semif-adapter-image-{variant}"
 
@@ -70,7 +76,12 @@ def image_project_name(variant: str) -> str:
 class AdapterImageRepository(Construct):
     """The central repository every environment pulls from, and the build cache beside it."""
 
-    def __init__(self, scope: Construct, id_: str, *, keep_last_images: int, pull_accounts: Sequence[str]) -> None:
+    def __init__(self, scope: Construct, id_: str, *, keep_last_images: int, pull_accounts: Sequence[str],
+                 environments: Sequence[str] = ()) -> None:
+        """``keep_last_images``: per environment in ``environments``, the images last deployed there; and of the
+        images no environment was deployed with, the newest. An image an environment may still run (for a
+        replacement instance, a scale-out, Batch Transform or a rollback) is never expired while it is among the
+        last ``keep_last_images`` that environment was deployed with."""
         super().__init__(scope, id_)
         self.key = kms.Key(self, "Key", description="SemIf adapter image repositories", enable_key_rotation=True,
                            removal_policy=RemovalPolicy.RETAIN)
@@ -79,8 +90,17 @@ class AdapterImageRepository(Construct):
             # A tag is the hash of the build inputs: the same tag is always the same image.
             image_tag_mutability=ecr.TagMutability.IMMUTABLE,
             encryption=ecr.RepositoryEncryption.KMS, encryption_key=self.key,
-            lifecycle_rules=[ecr.LifecycleRule(description=f"keep the last {keep_last_images} images",
-                                               max_image_count=keep_last_images)],
+            # ECR never lets a lower-priority rule expire an image a higher-priority rule's tags select, so the
+            # closing 'any' rule cannot reach an image tagged as deployed.
+            lifecycle_rules=[
+                *(ecr.LifecycleRule(rule_priority=priority,
+                                    description=f"keep the last {keep_last_images} images deployed to {env}",
+                                    tag_prefix_list=[deployed_tag_prefix(env)], max_image_count=keep_last_images)
+                  for priority, env in enumerate(environments, 1)),
+                ecr.LifecycleRule(rule_priority=len(environments) + 1,
+                                  description=f"keep the last {keep_last_images} images built",
+                                  tag_status=ecr.TagStatus.ANY, max_image_count=keep_last_images),
+            ],
             # Prod may still run any of these digests: deleting the pipeline stack must not take them.
             removal_policy=RemovalPolicy.RETAIN,
         )
@@ -116,7 +136,8 @@ class AdapterImageRepository(Construct):
             build_environment=codebuild.BuildEnvironment(
                 build_image=codebuild.LinuxBuildImage.STANDARD_7_0, compute_type=spec.compute_type,
                 privileged=True),  # docker build needs the Docker daemon
-            # Same-host layer reuse on top of the registry cache the buildspec uses.
+            # Same-host layer reuse on top of the registry cache: build-image.sh builds on the Docker daemon's own
+            # BuildKit, whose layers this cache keeps.
             cache=codebuild.Cache.local(codebuild.LocalCacheMode.DOCKER_LAYER),
             timeout=BUILD_TIMEOUT,
             env={
@@ -140,6 +161,8 @@ class AdapterImageRepository(Construct):
                              "ecr:InitiateLayerUpload", "ecr:UploadLayerPart", "ecr:CompleteLayerUpload",
                              "ecr:PutImage", "ecr:DescribeImages"],
                     resources=[self.repository.repository_arn, self.cache_repository.repository_arn]),
+                # build-image.sh removes a tag it pushed (or found) whose manifest SageMaker would refuse.
+                iam.PolicyStatement(actions=["ecr:BatchDeleteImage"], resources=[self.repository.repository_arn]),
                 iam.PolicyStatement(
                     actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
                     resources=[f"arn:{stack.partition}:ecr:{stack.region}:{dlc_account}:repository/{DLC_REPOSITORY}"]),

@@ -10,11 +10,13 @@ from __future__ import annotations
 import re
 from typing import Literal, Optional, Protocol
 
-from aws_cdk import Stack, aws_ecr as ecr, aws_iam as iam
+from aws_cdk import CfnRule, CfnRuleAssertion, Fn, Stack, aws_ecr as ecr, aws_iam as iam
 from constructs import Construct
 
 Variant = Literal["cpu", "gpu"]
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+# Lets a synth run without a real image (tests, reviews); a template carrying it refuses to deploy (below).
+PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
 
 # The AWS Deep Learning Containers registry account differs per region (see
 # https://github.com/aws/deep-learning-containers/blob/master/available_images.md).
@@ -75,6 +77,36 @@ def dlc_image_uri(region: str, variant: Variant, digest: Optional[str] = None) -
     return f"{repository}@{digest}"
 
 
+def dlc_digest_lookup(region: str, variant: Variant) -> str:
+    """The command that prints the digest the DLC's tag points to now (any credentials that may pull it)."""
+    return (f"aws ecr batch-get-image --region {region} --registry-id {dlc_registry_account(region)} "
+            f"--repository-name {DLC_REPOSITORY} --image-ids imageTag={DLC_TAGS[variant]} "
+            "--query 'images[0].imageId.imageDigest' --output text")
+
+
+def adapter_digest_lookup(repository_arn: str, env_name: str) -> str:
+    """The command that prints the adapter digest the pipeline last deployed to ``env_name`` (its pre-deploy step
+    tags each one ``deployed-<env>-…``)."""
+    _, _, _, region, account, resource = repository_arn.split(":", 5)
+    return (f"aws ecr describe-images --region {region} --registry-id {account} --repository-name "
+            f"{resource.removeprefix('repository/')} --filter tagStatus=TAGGED --query \"reverse(sort_by("
+            f"imageDetails[?contains(join(',', imageTags), 'deployed-{env_name}-')], &imagePushedAt))[0].imageDigest\" "
+            "--output text")
+
+
+def refuse_placeholder_digest(scope: Construct, id_: str, digest: Optional[str], *, what: str, lookup: str) -> None:
+    """A template whose image is the all-zero placeholder synthesizes, but CloudFormation refuses to create or update
+    the stack (a rule evaluated before any resource, on every deploy path), naming the command that finds the digest.
+    """
+    stack = Stack.of(scope)
+    if digest != PLACEHOLDER_DIGEST or stack.node.try_find_child(id_) is not None:
+        return
+    CfnRule(stack, id_, assertions=[CfnRuleAssertion(
+        assert_=Fn.condition_not(Fn.condition_equals(digest, PLACEHOLDER_DIGEST)),
+        assert_description=f"{what} is the all-zero placeholder digest, which no endpoint can run: deploy a real "
+                           f"digest, as printed by {lookup}")])
+
+
 class ContainerImageSource(Protocol):
     def bind(self, scope: Construct, grantable: iam.IGrantable) -> str:
         """Grant ``grantable`` pull access and return the image URI for the SageMaker model."""
@@ -104,18 +136,26 @@ class DlcImage:
         region = Stack.of(scope).region
         account = dlc_registry_account(region)
         _grant_pull(grantable, f"arn:{Stack.of(scope).partition}:ecr:{region}:{account}:repository/{DLC_REPOSITORY}")
+        refuse_placeholder_digest(scope, "DlcImagePinned", self.digest,
+                                  what=f"config dlc_images.{self.variant} (config/environments.json)",
+                                  lookup=dlc_digest_lookup(region, self.variant))
         return dlc_image_uri(region, self.variant, self.digest)
 
 
 class BuiltImage:
-    """An image in our own ECR repository (possibly another account's, the pipeline's), pinned by digest."""
+    """An image in our own ECR repository (possibly another account's, the pipeline's), pinned by digest.
 
-    def __init__(self, *, repository: ecr.IRepository, digest: str) -> None:
+    ``placeholder_lookup``: the command that finds a real digest, named when the digest is the placeholder."""
+
+    def __init__(self, *, repository: ecr.IRepository, digest: str, placeholder_lookup: str = "") -> None:
         if not digest.startswith("${Token") and not _DIGEST.match(digest):
             raise ValueError(f"image digest must look like 'sha256:<64 hex>', got '{digest}'")
         self.repository = repository
         self.digest = digest
+        self.placeholder_lookup = placeholder_lookup
 
     def bind(self, scope: Construct, grantable: iam.IGrantable) -> str:
         _grant_pull(grantable, self.repository.repository_arn)
+        refuse_placeholder_digest(scope, "AdapterImagePinned", self.digest, what="the adapter image",
+                                  lookup=self.placeholder_lookup or "aws ecr describe-images on the image repository")
         return f"{self.repository.repository_uri}@{self.digest}"

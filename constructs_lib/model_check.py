@@ -37,6 +37,12 @@ def model_object_patterns(model_prefix: str) -> list[str]:
     return [manifest_key(model_prefix), f"{model_prefix}*.gguf"]
 
 
+def model_object_listing(model_bucket: s3.IBucket, model_prefix: str) -> iam.PolicyStatement:
+    """``s3:ListBucket`` for listings of the objects the check reads, and of nothing else in the bucket."""
+    return iam.PolicyStatement(actions=["s3:ListBucket"], resources=[model_bucket.bucket_arn],
+                               conditions={"StringLike": {"s3:prefix": model_object_patterns(model_prefix)}})
+
+
 class ModelCheck(Construct):
     def __init__(self, scope: Construct, id_: str, *, model_bucket: s3.IBucket, model_key: kms.IKey,
                  model_prefix: str, log_retention: logs.RetentionDays,
@@ -60,6 +66,9 @@ class ModelCheck(Construct):
         # HeadObject is authorised by s3:GetObject.
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["s3:GetObject"], resources=[model_bucket.arn_for_objects(p) for p in patterns]))
+        # S3 answers a missing key with 403 to a reader that may not list it; listing exactly these keys lets the
+        # check tell "not uploaded" from "access denied" (an IAM or KMS mistake).
+        self.role.add_to_policy(model_object_listing(model_bucket, model_prefix))
         for pattern in patterns:
             if pattern.endswith("*.gguf"):
                 acknowledge_wildcard_resource(

@@ -31,7 +31,8 @@ from aws_cdk import (
 from constructs import Construct
 
 from constructs_lib.adapter_metrics import AdapterLogMetrics, adapter_log_metrics
-from constructs_lib.endpoint_alarms import EndpointAlarmThresholds, alarm_name, notify, sagemaker_endpoint_alarms
+from constructs_lib.endpoint_alarms import (INSTANCE_ALARMS, EndpointAlarmThresholds, alarm_name, notify,
+                                           sagemaker_endpoint_alarms)
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.image_sources import ContainerImageSource
 from constructs_lib.model_bucket import grant_model_read
@@ -108,6 +109,13 @@ class ServingEndpoint(Construct):
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
             resources=[self.log_group.log_group_arn],
+        ))
+        # SageMaker's CreateModel documentation lists logs:CreateLogGroup among the execution role's permissions;
+        # the group already exists (created above), so the call can only find it, and it may name no other group.
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["logs:CreateLogGroup"],
+            resources=[stack.format_arn(service="logs", resource="log-group", resource_name=log_group_name,
+                                        arn_format=ArnFormat.COLON_RESOURCE_NAME)],
         ))
         # PutMetricData has no resource-level permissions; the namespace condition narrows it.
         self.role.add_to_policy(iam.PolicyStatement(
@@ -189,6 +197,13 @@ class ServingEndpoint(Construct):
         self.cfn_endpoint.node.add_dependency(self.log_group)
         for name in ROLLBACK_ALARMS:
             self.cfn_endpoint.node.add_dependency(self.alarms[name])
+        # CloudFormation finishes creating an endpoint once it is InService: its instance alarms start then, not
+        # while the instances provision.
+        for name in INSTANCE_ALARMS:
+            if name in self.alarms:
+                self.alarms[name].node.add_dependency(self.cfn_endpoint)
+        # Plain names (the bake step lists exactly these), not the alarms' Ref tokens.
+        self.alarm_names: list[str] = sorted(a.node.default_child.alarm_name for a in self.alarms.values())
 
         self.scalable_target: Optional[appscaling.ScalableTarget] = None
         if compute.autoscaling_enabled:

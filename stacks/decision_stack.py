@@ -11,7 +11,7 @@ from constructs_lib.batch_transform import BatchTransform
 from constructs_lib.decision_endpoint import DecisionEndpoint
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute
-from constructs_lib.image_sources import BuiltImage
+from constructs_lib.image_sources import BuiltImage, adapter_digest_lookup
 from constructs_lib.model_check import ModelCheck
 from stacks.outputs import publish
 
@@ -43,7 +43,8 @@ class DecisionStack(Stack):
         model_bucket = s3.Bucket.from_bucket_name(self, "ModelBucket", model_bucket_name)
         # The image was built once, in the pipeline account, before any environment deployed (docs/deploy.md).
         repository = ecr.Repository.from_repository_arn(self, "AdapterRepository", image_repository_arn)
-        self.image = BuiltImage(repository=repository, digest=image_digest)
+        self.image = BuiltImage(repository=repository, digest=image_digest,
+                                placeholder_lookup=adapter_digest_lookup(image_repository_arn, env_name))
         self.endpoint = DecisionEndpoint(
             self, "Decision", endpoint_name=endpoint_name, image=self.image, model_bucket=model_bucket,
             model_key=model_key, model_prefix=model_prefix, adapter_environment=adapter_environment,

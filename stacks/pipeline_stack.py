@@ -1,51 +1,35 @@
 """CDK Pipelines: build the adapter images, synth, then one stage per environment with checks around it.
 
     Source → Build [Image-cpu, Image-gpu → Synth] → UpdatePipeline → Assets
-           → dev [shared → check model → decision → text → smoke]
-           → staging (GPU) [same]
-           → prod [approval, bake on staging, shared → check model → decision → text → smoke]
+           → dev     [PreDeploy → shared → CheckModel → decision → text → Smoke → stage checks]
+           → staging [PreDeploy → shared → CheckModel → decision → Smoke → stage checks]       (GPU)
+           → prod    [Approve ‖ Bake(staging) → PreDeploy → shared → CheckModel → decision → text → Smoke]
 
 Each variant's image is built once, before any deploy, and every stage of that variant deploys the same
 digest (build once, promote the digest). The pipeline knows environments only as the stage specs
-``app.py`` hands it.
+``app.py`` hands it. What each step runs is in ``stacks/pipeline_steps.py``.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from aws_cdk import (CfnOutput, DefaultStackSynthesizer, Duration, Environment, Stack, Stage, aws_codebuild as codebuild,
                      aws_iam as iam, pipelines)
 from constructs import Construct
 
-from constructs_lib.image_build import AdapterImageRepository, default_build_specs
+from constructs_lib.image_build import IMAGE_REPOSITORY_NAME, AdapterImageRepository, default_build_specs, deployed_tag_prefix
 from constructs_lib.nag import acknowledge, acknowledge_wildcard_resource, checkov_skip
+from stacks.pipeline_steps import (CHECK_DECISION, assume_role, bake_commands,  # noqa: F401 (re-exported)
+                                   model_check_commands, pre_deploy_commands, smoke_commands)
 
 # The role every check step (model check, smoke tests, bake) runs as; each environment's check role trusts it by name.
 PIPELINE_CHECK_ROLE_NAME = "semif-pipeline-checks"
+# The role of the pre-deploy steps: it tags images in the pipeline account, and may assume each environment's CDK
+# deploy role (which the pipeline's deploy actions already use) to delete a stack a failed first create left.
+PIPELINE_PRE_DEPLOY_ROLE_NAME = "semif-pipeline-pre-deploy"
 ADAPTER_IMAGES_DIR = "adapter-images"
-
-# A request every SemIf build must answer; the smoke step checks the answer's shape, not just the status.
-SMOKE_REQUEST = {"decision": {
-    "id": "smoke",
-    "state": "Customer writes: I was charged twice for my subscription this month.",
-    "question": "Which team should handle this ticket?",
-    "options": [{"id": "billing"}, {"id": "technical"}, {"id": "sales"}],
-}}
-SMOKE_CHAT_REQUEST = {"messages": [{"role": "user", "content": "Reply with the single word: ready"}],
-                      "max_tokens": 8, "temperature": 0}
-# Checks the decision answer: a choice among the options and probabilities that sum to 1.
-CHECK_DECISION = (
-    "import json,sys; r=json.load(open('response.json')); ids=r['option_ids']; p=r['probabilities']; "
-    "assert ids==['billing','technical','sales'], ids; assert r['choice'] in ids, r['choice']; "
-    "assert len(p)==3 and abs(sum(p)-1)<1e-3, p; print('decision ok:', r['choice'], p)"
-)
-CHECK_CHAT = (
-    "import json; r=json.load(open('chat.json')); text=r['choices'][0]['message']['content']; "
-    "assert isinstance(text,str) and text.strip(), r; print('chat ok:', text[:80])"
-)
 
 
 def stage_stack_synthesizer() -> DefaultStackSynthesizer:
@@ -60,12 +44,38 @@ def stage_stack_synthesizer() -> DefaultStackSynthesizer:
                                    deploy_role_arn=role % "deploy-role")
 
 
+def deploy_role_arn(account: str, region: str, qualifier: str = DefaultStackSynthesizer.DEFAULT_QUALIFIER) -> str:
+    """An environment's CDK bootstrap deploy role, which `cdk bootstrap --trust <pipeline account>` lets in."""
+    return f"arn:aws:iam::{account}:role/cdk-{qualifier}-deploy-role-{account}-{region}"
+
+
 @dataclass
 class StageStacks:
     """What the pipeline needs from an environment's stacks."""
 
     decision: Stack
     endpoint_name_output: CfnOutput
+    # Every stack of the stage, in deploy order.
+    stacks: Sequence[Stack] = ()
+    endpoint_names: Sequence[str] = ()
+    # The alarms of the stage's endpoints, by name: what a bake of this stage watches.
+    alarm_names: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class StageCheck:
+    """A check run after a stage's smoke test, in a checkout of the repository, as that environment's check role.
+
+    A stage's checks run one after another, and all before the next stage begins (so before prod's approval when
+    they check staging): a regression gate or a load check against the stage's endpoints, for example. What they
+    may read and write (an eval prefix, a reports prefix) is granted to the check role by the shared stack.
+    """
+
+    name: str
+    commands: Sequence[str]
+    install_commands: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    timeout: Duration = Duration.hours(1)
 
 
 @dataclass(frozen=True)
@@ -75,29 +85,26 @@ class PipelineStageSpec:
     name: str
     account: str
     region: str
+    variant: str
     needs_approval: bool
     check_role_arn: str
     model_bucket: str
+    model_prefix: str
     manifest_key: str
     chat_endpoint: Optional[str]
     # Adds the environment's stacks to the stage.
     build: Callable[[Stage], StageStacks]
+    checks: Sequence[StageCheck] = ()
+
+    @property
+    def deploy_role_arn(self) -> str:
+        return deploy_role_arn(self.account, self.region)
 
 
 class EnvironmentStage(Stage):
     def __init__(self, scope: Construct, id_: str, *, spec: PipelineStageSpec, **kwargs) -> None:
         super().__init__(scope, id_, env=Environment(account=spec.account, region=spec.region), **kwargs)
         self.stacks = spec.build(self)
-
-
-def _assume(role_arn_var: str) -> list[str]:
-    return [
-        f'creds=$(aws sts assume-role --role-arn "${role_arn_var}" --role-session-name semif-pipeline '
-        "--query Credentials --output json)",
-        'export AWS_ACCESS_KEY_ID=$(echo "$creds" | jq -r .AccessKeyId) '
-        'AWS_SECRET_ACCESS_KEY=$(echo "$creds" | jq -r .SecretAccessKey) '
-        'AWS_SESSION_TOKEN=$(echo "$creds" | jq -r .SessionToken)',
-    ]
 
 
 class PipelineStack(Stack):
@@ -118,11 +125,11 @@ class PipelineStack(Stack):
         **kwargs,
     ) -> None:
         super().__init__(scope, id_, **kwargs)
-        source = pipelines.CodePipelineSource.connection(repository, branch, connection_arn=connection_arn)
+        self.source = pipelines.CodePipelineSource.connection(repository, branch, connection_arn=connection_arn)
         self.images = AdapterImageRepository(self, "AdapterImages", keep_last_images=image_keep_last,
-                                             pull_accounts=pull_accounts)
+                                             pull_accounts=pull_accounts, environments=[s.name for s in stages])
         self.image_steps = {
-            spec.variant: self.images.build_step(spec, source=source)
+            spec.variant: self.images.build_step(spec, source=self.source)
             for spec in default_build_specs(cpu_base_image=dlc_base_images["cpu"],
                                             gpu_base_image=dlc_base_images["gpu"])
         }
@@ -133,6 +140,17 @@ class PipelineStack(Stack):
                         "semif-<env>-pipeline-check role)")
         self.check_role.add_to_policy(iam.PolicyStatement(
             actions=["sts:AssumeRole"], resources=sorted({s.check_role_arn for s in stages})))
+        self.pre_deploy_role = iam.Role(
+            self, "PreDeployRole", role_name=PIPELINE_PRE_DEPLOY_ROLE_NAME,
+            assumed_by=iam.ServicePrincipal("codebuild.amazonaws.com"),
+            description="Marks the image a stage deploys and deletes that stage's stacks left in ROLLBACK_COMPLETE")
+        self.pre_deploy_role.add_to_policy(iam.PolicyStatement(
+            actions=["sts:AssumeRole"], resources=sorted({s.deploy_role_arn for s in stages})))
+        self.pre_deploy_role.add_to_policy(iam.PolicyStatement(
+            actions=["ecr:DescribeImages", "ecr:BatchGetImage", "ecr:PutImage"],
+            resources=[self.images.repository.repository_arn]))
+        self.pre_deploy_role.add_to_policy(iam.PolicyStatement(
+            actions=["kms:Decrypt", "kms:GenerateDataKey"], resources=[self.images.key.key_arn]))
         self.pipeline = pipelines.CodePipeline(
             self,
             "Pipeline",
@@ -141,7 +159,7 @@ class PipelineStack(Stack):
             enable_key_rotation=True,
             synth=pipelines.ShellStep(
                 "Synth",
-                input=source,
+                input=self.source,
                 # The synth reads the digests the image steps just pushed: every stage deploys those.
                 additional_inputs={f"{ADAPTER_IMAGES_DIR}/{variant}": step
                                    for variant, step in self.image_steps.items()},
@@ -165,83 +183,80 @@ class PipelineStack(Stack):
         for spec in stages:
             stage = EnvironmentStage(self, spec.name, spec=spec)
             self.stages[spec.name] = stage
-            pre: list[pipelines.Step] = []
+            waits: list[pipelines.Step] = []
             if spec.needs_approval:
-                pre.append(pipelines.ManualApprovalStep(f"Approve-{spec.name}", comment=f"Promote to {spec.name}?"))
+                waits.append(pipelines.ManualApprovalStep(f"Approve-{spec.name}", comment=f"Promote to {spec.name}?"))
             if spec.name in bakes:
-                pre.append(self._bake_step(spec.name, bakes[spec.name], bake_minutes))
+                baked = bakes[spec.name]
+                waits.append(self._bake_step(spec.name, baked, self.stages[baked.name].stacks, bake_minutes))
+            pre_deploy = self._pre_deploy_step(spec, stage)
+            for step in waits:
+                pre_deploy.add_step_dependency(step)
             self.pipeline.add_stage(
-                stage, pre=pre, post=[self._smoke_step(spec, stage)],
+                stage, pre=[*waits, pre_deploy], post=self._post_deploy_steps(spec, stage),
                 # The shared stack (bucket, topic, check role) deploys first; the endpoints only once the
                 # model they serve is in the bucket.
                 stack_steps=[pipelines.StackSteps(stack=stage.stacks.decision, pre=[self._model_check_step(spec)])],
             )
         self.pipeline.build_pipeline()
-        self._limit_image_builds()
         self._acknowledge_framework_findings()
 
     def _check_step(self, id_: str, *, role_arn: str, region: str, commands: list[str],
-                    env: Optional[dict[str, str]] = None, **kwargs) -> pipelines.CodeBuildStep:
+                    env: Optional[Mapping[str, str]] = None, **kwargs) -> pipelines.CodeBuildStep:
+        """A step that acts as an environment's check role (``commands`` start by assuming it)."""
         return pipelines.CodeBuildStep(
             id_, role=self.check_role, env={"CHECK_ROLE_ARN": role_arn, "AWS_DEFAULT_REGION": region, **(env or {})},
-            commands=_assume("CHECK_ROLE_ARN") + commands, **kwargs)
+            commands=commands, **kwargs)
+
+    def _pre_deploy_step(self, spec: PipelineStageSpec, stage: EnvironmentStage) -> pipelines.CodeBuildStep:
+        """Marks the digest this stage deploys (so the repository keeps it) and clears stacks a failed first create
+        left in ROLLBACK_COMPLETE (so the deploy can create them again)."""
+        stack_names = [s.stack_name for s in reversed(stage.stacks.stacks or [stage.stacks.decision])]
+        return pipelines.CodeBuildStep(
+            f"PreDeploy-{spec.name}", input=self.image_steps[spec.variant], role=self.pre_deploy_role,
+            env={"STAGE_NAME": spec.name, "IMAGE_REPOSITORY": IMAGE_REPOSITORY_NAME, "IMAGE_REGION": self.region,
+                 "DEPLOYED_TAG_PREFIX": deployed_tag_prefix(spec.name), "DEPLOY_ROLE_ARN": spec.deploy_role_arn,
+                 "AWS_DEFAULT_REGION": spec.region, "STACKS": " ".join(stack_names)},
+            commands=pre_deploy_commands())
 
     def _model_check_step(self, spec: PipelineStageSpec) -> pipelines.CodeBuildStep:
         return self._check_step(
-            f"CheckModel-{spec.name}", role_arn=spec.check_role_arn, region=spec.region,
-            env={"MODEL_BUCKET": spec.model_bucket, "MANIFEST_KEY": spec.manifest_key},
-            commands=[
-                'aws s3api head-object --bucket "$MODEL_BUCKET" --key "$MANIFEST_KEY" > /dev/null '
-                '|| { echo "no model at s3://$MODEL_BUCKET/$MANIFEST_KEY: upload it first (docs/deploy.md, step 3)"; '
-                "exit 1; }",
-                'echo "model manifest present: s3://$MODEL_BUCKET/$MANIFEST_KEY"',
-            ])
+            f"CheckModel-{spec.name}", role_arn=spec.check_role_arn, region=spec.region, input=self.source,
+            env={"MODEL_BUCKET": spec.model_bucket, "MODEL_PREFIX": spec.model_prefix,
+                 "MANIFEST_KEY": spec.manifest_key},
+            # The handler's only dependency, at the project's pin.
+            install_commands=['python3 -m pip install --quiet "$(grep -E \'^boto3==\' requirements.txt)"'],
+            commands=model_check_commands())
 
-    def _smoke_step(self, spec: PipelineStageSpec, stage: EnvironmentStage) -> pipelines.CodeBuildStep:
-        commands = [
-            'test "$(aws sagemaker describe-endpoint --endpoint-name "$ENDPOINT_NAME" '
-            '--query EndpointStatus --output text)" = InService',
-            f"echo '{json.dumps(SMOKE_REQUEST)}' > request.json",
-            'aws sagemaker-runtime invoke-endpoint --endpoint-name "$ENDPOINT_NAME" '
-            "--content-type application/json --body fileb://request.json response.json",
-            f'python3 -c "{CHECK_DECISION}"',
-        ]
-        env = {}
-        if spec.chat_endpoint:
-            env["CHAT_ENDPOINT_NAME"] = spec.chat_endpoint
-            commands += [
-                f"echo '{json.dumps(SMOKE_CHAT_REQUEST)}' > chat-request.json",
-                'aws sagemaker-runtime invoke-endpoint --endpoint-name "$CHAT_ENDPOINT_NAME" '
-                "--content-type application/json --body fileb://chat-request.json chat.json",
-                f'python3 -c "{CHECK_CHAT}"',
-            ]
-        return self._check_step(f"Smoke-{spec.name}", role_arn=spec.check_role_arn, region=spec.region, env=env,
-                                 commands=commands,
-                                 env_from_cfn_outputs={"ENDPOINT_NAME": stage.stacks.endpoint_name_output})
+    def _post_deploy_steps(self, spec: PipelineStageSpec, stage: EnvironmentStage) -> list[pipelines.Step]:
+        """The smoke test, then the stage's checks, each after the one before."""
+        env = {"CHAT_ENDPOINT_NAME": spec.chat_endpoint} if spec.chat_endpoint else {}
+        smoke = self._check_step(
+            f"Smoke-{spec.name}", role_arn=spec.check_role_arn, region=spec.region, env=env,
+            commands=smoke_commands(chat=bool(spec.chat_endpoint)),
+            env_from_cfn_outputs={"ENDPOINT_NAME": stage.stacks.endpoint_name_output})
+        steps: list[pipelines.Step] = [smoke]
+        for check in spec.checks:
+            step = self._check_step(
+                f"{check.name}-{spec.name}", role_arn=spec.check_role_arn, region=spec.region, input=self.source,
+                env={"ENDPOINT_NAMES": " ".join(stage.stacks.endpoint_names), **check.env},
+                install_commands=list(check.install_commands),
+                commands=assume_role("CHECK_ROLE_ARN") + list(check.commands), timeout=check.timeout)
+            step.add_step_dependency(steps[-1])
+            steps.append(step)
+        return steps
 
-    def _bake_step(self, target: str, baked: PipelineStageSpec, minutes: int) -> pipelines.CodeBuildStep:
+    def _bake_step(self, target: str, baked: PipelineStageSpec, baked_stacks: StageStacks,
+                   minutes: int) -> pipelines.CodeBuildStep:
         """Before ``target`` deploys: ``baked`` (the GPU staging stage, running the same digest) must have served
-        ``minutes`` with none of its alarms in ALARM."""
+        ``minutes`` with its endpoints InService and none of its alarms in ALARM."""
         return self._check_step(
             f"Bake-{baked.name}-before-{target}", role_arn=baked.check_role_arn, region=baked.region,
-            env={"BAKE_SECONDS": str(minutes * 60), "ALARM_PREFIX": f"semif-{baked.name}-"},
+            env={"BAKE_SECONDS": str(minutes * 60), "ENDPOINT_NAMES": " ".join(baked_stacks.endpoint_names),
+                 "ALARM_NAMES": " ".join(baked_stacks.alarm_names)},
             timeout=Duration.minutes(minutes + 15),
-            commands=[
-                'echo "baking ${ALARM_PREFIX}* for ${BAKE_SECONDS}s"',
-                'end=$(( $(date +%s) + BAKE_SECONDS )); while :; do '
-                'firing=$(aws cloudwatch describe-alarms --alarm-name-prefix "$ALARM_PREFIX" --state-value ALARM '
-                "--query 'MetricAlarms[].AlarmName' --output text); "
-                'if [ -n "$firing" ]; then echo "alarms firing: $firing"; exit 1; fi; '
-                '[ "$(date +%s)" -ge "$end" ] && break; sleep 60; done',
-                'echo "bake passed: no alarm fired"',
-            ])
+            commands=bake_commands())
 
-    def _limit_image_builds(self) -> None:
-        """One build per variant project at a time: a retry or a second execution queues behind the running
-        build, then finds its tag already pushed and builds nothing."""
-        for project in self.node.find_all():
-            if isinstance(project, codebuild.CfnProject) and str(project.name or "").startswith("semif-adapter-image-"):
-                project.concurrent_build_limit = 1
 
     def _acknowledge_framework_findings(self) -> None:
         """CDK Pipelines writes these policies itself; each finding is named with why it stays."""
@@ -254,22 +269,29 @@ class PipelineStack(Stack):
                        "kms:ReEncrypt*", "kms:GenerateDataKey*"):
             acknowledge(scope, f"AwsSolutions-IAM5[Action::{action}]",
                         f"CDK Pipelines grants {action} on its own artifact bucket and artifact key only.")
-            acknowledge(self.check_role, f"AwsSolutions-IAM5[Action::{action}]",
-                        f"CDK Pipelines grants the check steps' role {action} on its artifact bucket and key only.")
+            for role in (self.check_role, self.pre_deploy_role):
+                acknowledge(role, f"AwsSolutions-IAM5[Action::{action}]",
+                            f"CDK Pipelines grants a step's role {action} on its artifact bucket and key only.")
         checkov_skip(bucket, "CKV_AWS_18", "CDK Pipelines' own artifact bucket holds only transient build artifacts, "
                      "KMS-encrypted; access logs would need a second bucket with no consumer.")
         checkov_skip(bucket, "CKV_AWS_21", "CDK Pipelines writes every artifact under a new key per execution; "
                      "versions would only keep garbage.")
-        checkov_skip(scope.node.find_child("Assets").node.find_child("FileRole").node.find_child("DefaultPolicy"),
-                     "CKV_AWS_111", "CDK Pipelines' asset-publishing role: its write actions target the bootstrap "
-                     "asset buckets and the per-asset CodeBuild projects, which CDK names at synth.")
+        assets = scope.node.try_find_child("Assets")  # only when a stage has file assets
+        if assets is not None:
+            checkov_skip(assets.node.find_child("FileRole").node.find_child("DefaultPolicy"),
+                         "CKV_AWS_111", "CDK Pipelines' asset-publishing role: its write actions target the bootstrap "
+                         "asset buckets and the per-asset CodeBuild projects, which CDK names at synth.")
+            acknowledge_wildcard_resource(
+                assets.node.find_child("FileRole"), "*",
+                "CDK Pipelines' asset-publishing role starts the per-asset CodeBuild projects it creates at synth.")
         acknowledge_wildcard_resource(scope, f"{bucket.bucket_arn}/*",
                                       "Pipeline actions read and write artifacts under their own bucket.")
-        acknowledge_wildcard_resource(self.check_role, f"{bucket.bucket_arn}/*",
-                                      "The check steps read their input artifacts from the pipeline's bucket.")
+        for role in (self.check_role, self.pre_deploy_role):
+            acknowledge_wildcard_resource(role, f"{bucket.bucket_arn}/*",
+                                          "The pipeline's steps read their input artifacts from its bucket.")
         for project in (c for c in self.node.find_all() if isinstance(c, codebuild.CfnProject) and Stack.of(c) is self):
             name = project.ref
-            for holder in (scope, self.check_role):
+            for holder in (scope, self.check_role, self.pre_deploy_role):
                 acknowledge_wildcard_resource(
                     holder, f"arn:{self.partition}:logs:{self.region}:{self.account}:log-group:/aws/codebuild/{name}:*",
                     "A CodeBuild project of the pipeline writes streams in its own log group.")
@@ -289,9 +311,6 @@ class PipelineStack(Stack):
         acknowledge_wildcard_resource(
             self_mutation, "*", "Self-mutation runs `cdk deploy` of this stack: cloudformation:DescribeStacks and "
             "s3:ListBucket on '*' are what the CDK CLI needs to find the stack and the bootstrap bucket.")
-        acknowledge_wildcard_resource(
-            scope.node.find_child("Assets").node.find_child("FileRole"), "*",
-            "CDK Pipelines' asset-publishing role starts the per-asset CodeBuild projects it creates at synth.")
         acknowledge_wildcard_resource(
             scope, "*", "The image steps call ecr:GetAuthorizationToken (docker login), which supports no "
             "resource-level permissions.")

@@ -6,14 +6,15 @@ endpoint is created, and the pipeline checks that with the role defined here.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from aws_cdk import ArnFormat, RemovalPolicy, Stack, aws_iam as iam, aws_kms as kms, aws_sns as sns, aws_sns_subscriptions as subs
 from constructs import Construct
 
 from constructs_lib.model_bucket import ModelBucket
-from constructs_lib.model_check import MANIFEST_NAME, manifest_key as model_manifest_key  # noqa: F401 (MANIFEST_NAME: re-exported)
+from constructs_lib.model_check import MANIFEST_NAME, model_object_listing, model_object_patterns  # noqa: F401 (MANIFEST_NAME: re-exported)
 from constructs_lib.nag import acknowledge_wildcard_resource, checkov_skip
+from constructs_lib.trust import named_role_principal
 from stacks.outputs import publish
 
 _COLON_RESOURCE_NAME = ArnFormat.COLON_RESOURCE_NAME
@@ -31,7 +32,9 @@ class SharedStack(Stack):
     def __init__(self, scope: Construct, id_: str, *, env_name: str, model_bucket_name: str, model_prefix: str,
                  alarm_email: Optional[str] = None, removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
                  pipeline_check_principal_arn: Optional[str] = None, endpoint_names: tuple[str, ...] = (),
-                 **kwargs) -> None:
+                 check_reads: Sequence[str] = (), check_writes: Sequence[str] = (), **kwargs) -> None:
+        """``check_reads`` / ``check_writes``: prefixes of the model bucket (``eval/``, ``reports/``) the pipeline's
+        stage checks (``stacks.pipeline_stack.StageCheck``) read or write as this environment's check role."""
         super().__init__(scope, id_, **kwargs)
         self.models = ModelBucket(self, "Models", bucket_name=model_bucket_name, removal_policy=removal_policy,
                                   auto_delete_objects=removal_policy == RemovalPolicy.DESTROY)
@@ -59,6 +62,16 @@ class SharedStack(Stack):
         self.alarm_topic = sns.Topic(self, "AlarmTopic", topic_name=alarm_topic_name(env_name),
                                      display_name=f"SemIf {env_name} alarms", master_key=self.alarm_key,
                                      enforce_ssl=True)
+        # enforce_ssl writes a topic policy, which replaces SNS's default one: without this statement CloudWatch
+        # may not publish, and every alarm action fails silently. This account's alarms only.
+        self.alarm_topic.add_to_resource_policy(iam.PolicyStatement(
+            sid="CloudWatchAlarmsPublish",
+            principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+            actions=["sns:Publish"], resources=[self.alarm_topic.topic_arn],
+            conditions={"StringEquals": {"aws:SourceAccount": self.account},
+                        "ArnLike": {"aws:SourceArn": self.format_arn(
+                            service="cloudwatch", resource="alarm", resource_name="*",
+                            arn_format=_COLON_RESOURCE_NAME)}}))
         if alarm_email:
             self.alarm_topic.add_subscription(subs.EmailSubscription(alarm_email))
 
@@ -66,6 +79,7 @@ class SharedStack(Stack):
         if pipeline_check_principal_arn:
             self.pipeline_check_role = self._pipeline_check_role(env_name, model_prefix, pipeline_check_principal_arn,
                                                                  endpoint_names)
+            self._grant_check_prefixes(self.pipeline_check_role, reads=check_reads, writes=check_writes)
 
         publish(self, env_name=env_name, key="model-bucket/name", value=self.models.bucket.bucket_name,
                 description="S3 bucket holding models under models/<name>/<version>/")
@@ -74,19 +88,49 @@ class SharedStack(Stack):
         publish(self, env_name=env_name, key="alarm-topic-arn", value=self.alarm_topic.topic_arn,
                 description="SNS topic receiving the endpoints' alarms")
 
+    def _grant_check_prefixes(self, role: iam.Role, *, reads: Sequence[str], writes: Sequence[str]) -> None:
+        """Read (and list) the objects under each of ``reads``, write under each of ``writes``, with the model key."""
+        for prefix in (*reads, *writes):
+            if not prefix.endswith("/") or prefix.startswith("/"):
+                raise ValueError(f"check prefix {prefix!r}: a key prefix of the model bucket ending in '/'")
+        if reads:
+            role.add_to_policy(iam.PolicyStatement(
+                actions=["s3:GetObject"], resources=[self.models.bucket.arn_for_objects(f"{p}*") for p in reads]))
+            role.add_to_policy(iam.PolicyStatement(
+                actions=["s3:ListBucket"], resources=[self.models.bucket.bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{p}*" for p in reads]}}))
+        if writes:
+            role.add_to_policy(iam.PolicyStatement(
+                actions=["s3:PutObject", "s3:AbortMultipartUpload"],
+                resources=[self.models.bucket.arn_for_objects(f"{p}*") for p in writes]))
+            role.add_to_policy(iam.PolicyStatement(actions=["kms:GenerateDataKey"],
+                                                   resources=[self.models.key.key_arn]))
+        for prefix in (*reads, *writes):
+            acknowledge_wildcard_resource(role, self.models.bucket.arn_for_objects(f"{prefix}*"),
+                                          f"The pipeline's stage checks read or write the objects under {prefix}, "
+                                          "whose names each run chooses.")
+
     def _pipeline_check_role(self, env_name: str, model_prefix: str, principal_arn: str,
                              endpoint_names: tuple[str, ...]) -> iam.Role:
         """The pipeline's pre-deploy model check, post-deploy smoke tests and bake step run as this role.
 
-        It trusts one named role of the pipeline account (not the account), and reads only what those checks read.
+        It trusts one named role of the pipeline account, and reads only what those checks read.
         """
         role = iam.Role(self, "PipelineCheckRole", role_name=pipeline_check_role_name(env_name),
-                        assumed_by=iam.ArnPrincipal(principal_arn),
+                        assumed_by=named_role_principal(principal_arn),
                         description="The pipeline's model check, smoke tests and bake check for this environment")
-        manifest_key = model_manifest_key(model_prefix)
+        # The pipeline's CheckModel step runs the model check custom resource's own check: the same objects.
+        patterns = model_object_patterns(model_prefix)
         role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"],
-                                               resources=[self.models.bucket.arn_for_objects(manifest_key)]))
+                                               resources=[self.models.bucket.arn_for_objects(p) for p in patterns]))
+        role.add_to_policy(model_object_listing(self.models.bucket, model_prefix))
         role.add_to_policy(iam.PolicyStatement(actions=["kms:Decrypt"], resources=[self.models.key.key_arn]))
+        for pattern in patterns:
+            if pattern.endswith("*.gguf"):
+                acknowledge_wildcard_resource(
+                    role, self.models.bucket.arn_for_objects(pattern),
+                    "The model check reads the GGUF the manifest names, directly in this model's prefix; its file "
+                    "name is in the manifest, not known at synth.")
         endpoints = [self.format_arn(service="sagemaker", resource="endpoint", resource_name=name)
                      for name in endpoint_names]
         if endpoints:

@@ -259,20 +259,38 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_else():
 # --- buildspec and build-image.sh: their commands run with stand-ins for docker and aws --------------
 
 
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+
+# The stand-ins keep ECR's state for the one tag in $STUB_STATE: `docker push` stores it with the media type the
+# daemon would write ($PUSHED_MEDIA_TYPE, default a Docker manifest), `batch-delete-image` removes it.
 STUB = """#!/usr/bin/env bash
 printf '%s\\n' "$(basename "$0") $*" >> "$STUB_LOG"
+state="$STUB_STATE"
 case "$(basename "$0") $*" in
   "aws ecr get-login-password"*) echo secret ;;
   "docker login"*) cat > /dev/null ;;
+  "docker info"*) echo "${IMAGE_STORE:-}" ;;
+  "docker buildx build"*"push=true"*) echo "${PUSHED_MEDIA_TYPE:-$DOCKER_MANIFEST}" > "$state" ;;
+  "docker push"*cache*) ;;
+  "docker push"*)
+    if [ -n "$PUSH_RACE" ]; then echo "$DOCKER_MANIFEST" > "$state"; echo "tag already exists" >&2; exit 1; fi
+    [ -z "$PUSH_FAILS" ] || { echo "denied" >&2; exit 1; }
+    echo "${PUSHED_MEDIA_TYPE:-$DOCKER_MANIFEST}" > "$state" ;;
+  "aws ecr batch-delete-image"*) rm -f "$state" ;;
+  "aws ecr describe-images"*"imageManifestMediaType"*) cat "$state" ;;
   "aws ecr describe-images"*"--query"*) echo "sha256:$(printf 'a%.0s' {1..64})" ;;
-  "aws ecr describe-images"*) [ -n "$TAG_EXISTS" ] || exit 254 ;;
+  "aws ecr describe-images"*) [ -f "$state" ] || exit 254 ;;
 esac
 """
 
 
 def run_buildspec(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str], dict[str, str], str]:
     """Run the phases as CodeBuild does: one bash session, commands in order, a failing command ends
-    its phase, and post_build runs only while the build is succeeding."""
+    its phase, and post_build runs only while the build is succeeding.
+
+    ``env`` may hold ``EXISTING_MEDIA_TYPE`` (the tag is already in ECR, stored so), ``PUSHED_MEDIA_TYPE``,
+    ``PUSH_RACE`` (another build pushes the tag first) and ``PUSH_FAILS``."""
     spec = yaml.safe_load(BUILDSPEC.read_text())
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -281,6 +299,10 @@ def run_buildspec(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str], 
         (bin_dir / tool).chmod(0o755)
     shutil.copy(DOCKERFILE, tmp_path / "Dockerfile")
     shutil.copy(BUILD_SCRIPT, tmp_path / "build-image.sh")
+    state = tmp_path / "ecr-tag"
+    env = dict(env)
+    if "EXISTING_MEDIA_TYPE" in env:
+        state.write_text(env.pop("EXISTING_MEDIA_TYPE") + "\n")
     lines = ["CODEBUILD_BUILD_SUCCEEDING=1"]
     for phase in ("install", "pre_build", "build", "post_build"):
         for number, command in enumerate(spec["phases"].get(phase, {}).get("commands", []), 1):
@@ -291,7 +313,8 @@ def run_buildspec(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str], 
     script.write_text("\n".join(lines))
     log = tmp_path / "stub.log"
     log.touch()
-    full_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_LOG": str(log), "HOME": str(tmp_path), **env}
+    full_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_LOG": str(log), "STUB_STATE": str(state),
+                "DOCKER_MANIFEST": DOCKER_MANIFEST, "HOME": str(tmp_path), **env}
     proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=60)
     exports = dict(line[len("EXPORT "):].split("=", 1) for line in proc.stdout.splitlines() if line.startswith("EXPORT "))
     return proc.returncode, log.read_text().splitlines(), exports, proc.stderr
@@ -304,11 +327,17 @@ BUILD_ENV = {
     "AWS_REGION": "eu-west-1",
     "CODEBUILD_RESOLVED_SOURCE_VERSION": "0a6b83b",
 }
+IMAGE_REF = "111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter:inputs-3f9a1c"
+
+
+def _builds(calls: list[str]) -> list[list[str]]:
+    return [shlex.split(c) for c in calls if c.startswith("docker buildx build")]
 
 
 def _buildx(calls: list[str]) -> list[str]:
-    (build,) = [c for c in calls if c.startswith("docker buildx build")]
-    return shlex.split(build)
+    """The build of the image itself (a cached build also builds the compile stage on its own first)."""
+    (build,) = [b for b in _builds(calls) if "--target" not in b]
+    return build
 
 
 def test_buildspec_declares_its_contract_and_exports_the_digest():
@@ -337,25 +366,93 @@ def test_buildspec_logs_in_to_both_registries_builds_from_the_pinned_base_and_pu
     assert f"BASE_IMAGE={DLC_CPU}" in build  # exactly the digest config pinned: no pull-then-pin of a moving tag
     assert "BASE_IMAGE_DIGEST=sha256:" + "b" * 64 in build
     assert "SOURCE_REVISION=0a6b83b" in build and "IMAGE_INPUT_HASH=inputs-3f9a1c" in build
-    assert build[build.index("--tag") + 1] == "111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter:inputs-3f9a1c"
-    assert "--push" in build and build[-1] == "."
-    assert not [c for c in calls if c.startswith(("docker pull", "docker push"))]
+    assert build[build.index("--tag") + 1] == IMAGE_REF
+    assert build[-1] == "."
+    assert f"docker push {IMAGE_REF}" in calls
+    assert not [c for c in calls if c.startswith("docker pull")]
     digest = "sha256:" + "a" * 64
     assert exports["IMAGE_DIGEST"] == digest
     assert exports["IMAGE_URI"] == f"{BUILD_ENV['REPOSITORY_URI']}@{digest}"
     assert exports["BASE_IMAGE_DIGEST"] == "sha256:" + "b" * 64
     detail = json.loads((tmp_path / "image-detail.json").read_text())
     assert detail["imageUri"] == exports["IMAGE_URI"] and detail["sourceRevision"] == "0a6b83b"
-    assert detail["skipped"] is False
+    assert detail["skipped"] is False and detail["imageManifestMediaType"] == DOCKER_MANIFEST
+
+
+def test_the_image_is_built_by_the_daemons_own_buildkit_without_attestations(tmp_path):
+    """No builder container (its moby/buildkit image would come from Docker Hub, anonymously), and no provenance
+    or SBOM attestation (they turn the tag into an OCI image index, which SageMaker's CreateModel refuses)."""
+    code, calls, _, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "CACHE_REPOSITORY_URI": "r/cache"})
+
+    assert code == 0, stderr
+    assert not [c for c in calls if c.startswith(("docker buildx create", "docker buildx use", "docker run"))]
+    builds = _builds(calls)
+    assert len(builds) == 2  # the compile stage for the cache, then the image
+    for build in builds:
+        assert build[build.index("--builder") + 1] == "default"
+        assert "--provenance=false" in build and "--sbom=false" in build
+        # Pushed by `docker push` from the daemon's image store, which writes Docker manifests.
+        assert not [a for a in build if a.startswith(("--push", "--output", "--cache-to"))]
+
+
+def test_a_push_stored_as_an_oci_index_fails_the_build_and_removes_the_tag(tmp_path):
+    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "PUSHED_MEDIA_TYPE": OCI_INDEX})
+
+    assert code != 0
+    assert OCI_INDEX in stderr and "accepts only" in stderr and DOCKER_MANIFEST in stderr
+    # The tag is immutable: left in place, every later run would find it and never build a usable image.
+    assert "aws ecr batch-delete-image --region eu-west-1 --repository-name semif/adapter --image-ids " \
+           "imageTag=inputs-3f9a1c" in calls
+    assert not (tmp_path / "ecr-tag").exists()
+    assert not (tmp_path / "image-detail.json").exists() and "IMAGE_DIGEST" not in {k for k, v in exports.items() if v}
+
+
+def test_an_existing_tag_sagemaker_would_refuse_is_removed_and_built_again(tmp_path):
+    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "EXISTING_MEDIA_TYPE": OCI_INDEX})
+
+    assert code == 0, stderr
+    delete = calls.index("aws ecr batch-delete-image --region eu-west-1 --repository-name semif/adapter "
+                         "--image-ids imageTag=inputs-3f9a1c")
+    assert delete < calls.index(f"docker push {IMAGE_REF}")
+    assert json.loads((tmp_path / "image-detail.json").read_text())["skipped"] is False
+    assert (tmp_path / "ecr-tag").read_text().strip() == DOCKER_MANIFEST
 
 
 def test_buildspec_with_an_already_pushed_tag_builds_nothing_and_still_exports_the_digest(tmp_path):
-    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "TAG_EXISTS": "1"})
+    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "EXISTING_MEDIA_TYPE": DOCKER_MANIFEST})
 
     assert code == 0, stderr
     assert not [c for c in calls if c.startswith(("docker buildx", "docker push", "docker pull"))]
+    assert not [c for c in calls if c.startswith("aws ecr batch-delete-image")]
     assert exports["IMAGE_DIGEST"] == "sha256:" + "a" * 64
     assert json.loads((tmp_path / "image-detail.json").read_text())["skipped"] is True
+
+
+def test_a_build_that_loses_the_push_to_a_build_of_the_same_inputs_reports_that_image(tmp_path):
+    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "PUSH_RACE": "1"})
+
+    assert code == 0, stderr
+    assert exports["IMAGE_DIGEST"] == "sha256:" + "a" * 64
+    assert not [c for c in calls if c.startswith("aws ecr batch-delete-image")]
+
+
+def test_a_failed_push_fails_the_build(tmp_path):
+    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "PUSH_FAILS": "1"})
+
+    assert code != 0
+    assert "was not pushed" in stderr and not (tmp_path / "image-detail.json").exists()
+
+
+def test_on_the_containerd_image_store_the_exporter_pushes_with_docker_media_types(tmp_path):
+    """A containerd image store (new Docker 29 installs) would push what BuildKit built; its image exporter can be
+    told to write Docker media types."""
+    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV,
+                                                            "IMAGE_STORE": "io.containerd.snapshotter.v1"})
+    assert code == 0, stderr
+    build = _buildx(calls)
+    assert build[build.index("--output") + 1] == f"type=image,name={IMAGE_REF},push=true,oci-mediatypes=false"
+    assert "--load" not in build and f"docker push {IMAGE_REF}" not in calls
+    assert "--provenance=false" in build and exports["IMAGE_DIGEST"] == "sha256:" + "a" * 64
 
 
 def test_buildspec_without_a_base_image_fails_before_touching_any_registry(tmp_path):
@@ -378,6 +475,18 @@ def test_a_base_image_named_by_a_moving_tag_is_refused(tmp_path):
     assert calls == []
 
 
+def test_the_all_zero_placeholder_base_digest_is_refused_with_the_command_that_looks_the_digest_up(tmp_path):
+    env = {**BUILD_ENV, "BASE_IMAGE": DLC_CPU.replace("b" * 64, "0" * 64), "LLAMA_CPP_VARIANT": "cuda"}
+
+    code, calls, _, stderr = run_buildspec(tmp_path, env)
+
+    assert code != 0
+    assert calls == []
+    assert ("aws ecr batch-get-image --region us-west-2 --registry-id 763104351884 --repository-name llama-cpp "
+            "--image-ids imageTag=server-sagemaker-cuda-v1 --query 'images[0].imageId.imageDigest' --output text"
+            in " ".join(stderr.split()))
+
+
 def test_compiler_jobs_fit_the_build_machines_ram(tmp_path):
     mem_gb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) // 1024 // 1024
     cpus = os.cpu_count()
@@ -390,15 +499,20 @@ def test_compiler_jobs_fit_the_build_machines_ram(tmp_path):
         assert json.loads((run_dir / "image-detail.json").read_text())["buildJobs"] == expected
 
 
-def test_the_registry_layer_cache_is_read_and_written_per_variant(tmp_path):
+def test_the_layer_cache_keeps_the_compile_stage_and_the_image_per_variant(tmp_path):
     cache = "111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter-build-cache"
     code, calls, _, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "CACHE_REPOSITORY_URI": cache,
                                                        "LLAMA_CPP_VARIANT": "cuda"})
     assert code == 0, stderr
+    (stage,) = [b for b in _builds(calls) if "--target" in b]
+    assert stage[stage.index("--target") + 1] == "builder"
+    assert stage[stage.index("--tag") + 1] == f"{cache}:cuda-builder" and "BUILDKIT_INLINE_CACHE=1" in stage
     build = _buildx(calls)
-    assert build[build.index("--cache-from") + 1] == f"type=registry,ref={cache}:cuda"
-    assert build[build.index("--cache-to") + 1].startswith(f"type=registry,ref={cache}:cuda,mode=max")
-    assert any(c.startswith("docker buildx create --name semif --driver docker-container") for c in calls)
+    sources = [build[i + 1] for i, a in enumerate(build) if a == "--cache-from"]
+    assert sources == [f"type=registry,ref={cache}:cuda-builder", f"type=registry,ref={cache}:cuda"]
+    assert "BUILDKIT_INLINE_CACHE=1" in build and f"{cache}:cuda" in build
+    assert f"docker push {cache}:cuda-builder" in calls and f"docker push {cache}:cuda" in calls
+    assert calls.index(f"docker push {IMAGE_REF}") < calls.index(f"docker push {cache}:cuda")
 
 
 def test_the_default_tag_is_a_hash_of_the_build_inputs(tmp_path):

@@ -9,6 +9,10 @@ what is missing and the ``semif-package-model`` command that fixes it. Delete is
 Resource properties: ``Bucket``, ``ModelPrefix`` (``models/<name>/<version>/`` or ``…/model.tar.gz``),
 ``ManifestKey``. The function answers CloudFormation itself (a PUT to the pre-signed ``ResponseURL``), so it needs
 no Provider framework; it answers on every path, errors included, so a deploy never waits for a lost reply.
+
+The pipeline's ``CheckModel-<env>`` step runs the same check before the stage's endpoint stacks exist:
+
+    python3 lambda/model_check/handler.py --bucket B --model-prefix models/<name>/<version>/ --manifest-key K
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ DEFAULT_MODELS_ROOT = "models"
 SCHEMA = json.loads(Path(__file__).with_name("manifest_schema.json").read_text(encoding="utf-8"))
 # A CloudFormation response body is capped at 4 KiB; the reason is one line well inside it.
 MAX_REASON = 1500
-_MISSING = {"NoSuchKey", "404", "NotFound", "403", "AccessDenied", "Forbidden"}
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+# S3 also answers a missing key with 403 when the reader may not list it; a listing of the key tells the two apart.
+_DENIED = {"403", "AccessDenied", "Forbidden"}
 
 LOG = logging.getLogger()
 LOG.setLevel(logging.INFO)
@@ -106,6 +112,38 @@ def _error_code(exc: Exception) -> str:
     return str(response.get("Error", {}).get("Code", type(exc).__name__))
 
 
+def _error_message(exc: Exception) -> str:
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Message") or exc)
+
+
+def _is_missing(s3, exc: Exception, *, bucket: str, key: str) -> bool:
+    """Whether a failed read of ``key`` means it is not there; raise ModelCheckFailed when access was denied."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    code = _error_code(exc)
+    if code in _MISSING:
+        return True
+    if code not in _DENIED:
+        return False
+    uri = f"s3://{bucket}/{key}"
+    message = _error_message(exc)
+    try:
+        listing = s3.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
+    except (ClientError, BotoCoreError) as list_exc:
+        raise ModelCheckFailed(
+            f"access denied reading {uri} (S3: {code}: {message}), and listing it was denied too "
+            f"({_error_code(list_exc)}): check that this role may read and list the model prefix and decrypt with "
+            "the model bucket's KMS key") from exc
+    if any(item.get("Key") == key for item in listing.get("Contents", [])):
+        # The object is there: an IAM, bucket-policy or KMS refusal, which no upload fixes.
+        cause = ("the model bucket's KMS key refused to decrypt it (check the key policy and the role's kms:Decrypt)"
+                 if "kms" in message.lower() else
+                 "this role may not read it (check its s3:GetObject grant and the bucket policy)")
+        raise ModelCheckFailed(f"access denied reading {uri}, which exists: {cause}; S3 said {code}: {message}") from exc
+    return True
+
+
 def check_model(s3, *, bucket: str, model_prefix: str, manifest_key: str) -> dict[str, str]:
     """Raise ModelCheckFailed unless the model at ``model_prefix`` is complete; return what was verified."""
     from botocore.exceptions import BotoCoreError, ClientError
@@ -115,10 +153,10 @@ def check_model(s3, *, bucket: str, model_prefix: str, manifest_key: str) -> dic
         raw = s3.get_object(Bucket=bucket, Key=manifest_key)["Body"].read()
     except ClientError as exc:
         code = _error_code(exc)
-        if code in _MISSING:
+        if _is_missing(s3, exc, bucket=bucket, key=manifest_key):
             raise ModelCheckFailed(
                 f"no model manifest at {manifest_uri} (S3: {code}): upload the model first with "
-                f"`{upload_command(bucket, model_prefix)}` (docs/deploy.md, step 3)") from exc
+                f"`{upload_command(bucket, model_prefix)}` (docs/deploy.md, step 7)") from exc
         raise ModelCheckFailed(f"cannot read {manifest_uri}: S3 {code}: {exc}") from exc
     except BotoCoreError as exc:
         raise ModelCheckFailed(f"cannot read {manifest_uri}: {exc}") from exc
@@ -157,7 +195,7 @@ def check_model(s3, *, bucket: str, model_prefix: str, manifest_key: str) -> dic
         head = s3.head_object(Bucket=bucket, Key=object_key, ChecksumMode="ENABLED")
     except ClientError as exc:
         code = _error_code(exc)
-        if code in _MISSING:
+        if _is_missing(s3, exc, bucket=bucket, key=object_key):
             raise ModelCheckFailed(f"{manifest_uri} names {posixpath.basename(object_key)}, but {object_uri} is "
                                    f"missing (S3: {code}): re-upload with `{reupload(gguf)}`") from exc
         raise ModelCheckFailed(f"cannot read {object_uri}: S3 {code}: {exc}") from exc
@@ -184,6 +222,15 @@ def check_model(s3, *, bucket: str, model_prefix: str, manifest_key: str) -> dic
 # The custom resource
 
 
+def s3_client():
+    import boto3
+    from botocore.config import Config
+
+    # Short timeouts and a few retries: the function (60 s) must answer before Lambda stops it.
+    return boto3.client("s3", config=Config(connect_timeout=5, read_timeout=15,
+                                            retries={"max_attempts": 3, "mode": "standard"}))
+
+
 def physical_id(props: dict) -> str:
     """Names the verified model: a new prefix is a new physical id (CloudFormation then deletes the old one, a
     no-op)."""
@@ -202,12 +249,7 @@ def handle(event: dict, s3=None) -> dict:
         # rollback of a failed update. Re-checking could fail the rollback (UPDATE_ROLLBACK_FAILED) for nothing.
         return {"Status": "SUCCESS", "PhysicalResourceId": target, "Reason": "model already verified"}
     if s3 is None:
-        import boto3
-        from botocore.config import Config
-
-        # Short timeouts and a few retries: the function (60 s) must answer before Lambda stops it.
-        s3 = boto3.client("s3", config=Config(connect_timeout=5, read_timeout=15,
-                                              retries={"max_attempts": 3, "mode": "standard"}))
+        s3 = s3_client()
     try:
         verified = check_model(s3, bucket=props["Bucket"], model_prefix=props["ModelPrefix"],
                                manifest_key=props["ManifestKey"])
@@ -251,3 +293,29 @@ def on_event(event: dict, context: Any = None) -> None:
                          "model_prefix": props.get("ModelPrefix"), "status": result["Status"],
                          "reason": result.get("Reason", "")}))
     respond(event, result)
+
+
+def main(argv: Optional[list[str]] = None, s3=None) -> int:
+    """The check outside CloudFormation (the pipeline's CheckModel step): exit 0 when the model is deployable,
+    1 with the one-line reason on stderr when it is not."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description="Check that the model an endpoint serves is complete in S3.")
+    parser.add_argument("--bucket", required=True)
+    parser.add_argument("--model-prefix", required=True, help="models/<name>/<version>/ or …/model.tar.gz")
+    parser.add_argument("--manifest-key", required=True)
+    args = parser.parse_args(argv)
+    try:
+        verified = check_model(s3 or s3_client(), bucket=args.bucket, model_prefix=args.model_prefix,
+                               manifest_key=args.manifest_key)
+    except ModelCheckFailed as exc:
+        print(f"model check failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"model OK: {verified['ModelObject']} (sha256 {verified['ModelSha256']}, {verified['SizeBytes']} bytes, "
+          f"S3 checksum compared: {verified['ChecksumChecked']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

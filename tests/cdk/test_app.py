@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 
@@ -82,6 +83,46 @@ def test_synth_without_a_promoted_image_digest_says_how_to_get_one(tmp_path):
 
     with pytest.raises(ConfigError, match="no adapter image digest for the 'gpu' variant.*-c adapter-image-gpu="):
         synth_real_app(tmp_path, env="prod")
+
+
+ZERO = "sha256:" + "0" * 64
+
+
+def _rule_holds(expression) -> bool:
+    """A rule assertion made of the two rule functions the app uses, evaluated as CloudFormation does."""
+    ((function, arguments),) = expression.items()
+    if function == "Fn::Not":
+        return not _rule_holds(arguments[0])
+    if function == "Fn::Equals":
+        return arguments[0] == arguments[1]
+    raise AssertionError(f"unexpected rule function {function}")
+
+
+def _image_rules(template: dict) -> dict[str, dict]:
+    return {k: r for k, r in template.get("Rules", {}).items() if k != "CheckBootstrapVersion"}
+
+
+def test_a_placeholder_digest_synthesizes_but_cloudformation_refuses_to_deploy_it(tmp_path, dev_assembly):
+    """CloudFormation evaluates a template's rules before it creates or updates anything (`cdk deploy` and the
+    pipeline's change sets alike): a failed assertion refuses the deploy with its description."""
+    _, assembly = synth_real_app(tmp_path, env="dev", **{"adapter-image-cpu": ZERO})
+    stacks = templates(assembly)
+    (adapter_rule,) = _image_rules(stacks["semif-dev-decision"]).values()
+    (assertion,) = adapter_rule["Assertions"]
+    assert _rule_holds(assertion["Assert"]) is False
+    assert "adapter image is the all-zero placeholder" in assertion["AssertDescription"]
+    assert ("aws ecr describe-images --region us-east-1 --registry-id 333333333333 --repository-name semif/adapter "
+            "--filter tagStatus=TAGGED --query \"reverse(sort_by(imageDetails[?contains(join(',', imageTags), "
+            "'deployed-dev-')], &imagePushedAt))[0].imageDigest\" --output text") in assertion["AssertDescription"]
+    # The example config's DLC pins are placeholders too: the chat stack refuses, naming the DLC's look-up.
+    (dlc_rule,) = _image_rules(stacks["semif-dev-text"]).values()
+    (assertion,) = dlc_rule["Assertions"]
+    assert _rule_holds(assertion["Assert"]) is False
+    assert ("aws ecr batch-get-image --region us-east-1 --registry-id 763104351884 --repository-name llama-cpp "
+            "--image-ids imageTag=server-sagemaker-cpu-v1 --query 'images[0].imageId.imageDigest' --output text"
+            ) in assertion["AssertDescription"]
+    # A real digest: no rule, nothing refused.
+    assert _image_rules(templates(dev_assembly[1])["semif-dev-decision"]) == {}
 
 
 def _rendered(value) -> str:
@@ -265,8 +306,9 @@ def test_each_image_variant_is_built_once_before_synth_and_without_the_custom_re
     assert gpu["Environment"]["ComputeType"] == "BUILD_GENERAL1_2XLARGE"
     assert gpu["Environment"]["PrivilegedMode"] is True
     assert gpu["Cache"] == {"Type": "LOCAL", "Modes": ["LOCAL_DOCKER_LAYER_CACHE"]}
-    # A retried execution queues behind a running build of the same variant instead of starting a second one.
-    assert gpu["ConcurrentBuildLimit"] == 1
+    # CodeBuild refuses a build beyond a project's concurrent-build limit instead of queueing it; without one, a
+    # second build of the same tag runs, and build-image.sh takes the image the first one pushed.
+    assert "ConcurrentBuildLimit" not in gpu
     variables = {v["Name"]: v["Value"] for v in gpu["Environment"]["EnvironmentVariables"]}
     from config import load_settings
 
@@ -297,7 +339,27 @@ def test_hand_and_pipeline_synths_give_the_same_environment_templates(prod_assem
         assert comparable(hand[name]) == comparable(piped[name]), name
 
 
-def test_prod_needs_a_manual_approval_and_a_clean_staging_bake_before_any_deploy(pipeline_template):
+def _policy_statements(template: dict, role_name: str) -> list[dict]:
+    """The statements of every inline policy attached to the role named ``role_name`` in ``template``."""
+    (role_id,) = [k for k, r in template["Resources"].items()
+                  if r["Type"] == "AWS::IAM::Role" and r["Properties"].get("RoleName") == role_name]
+    return [s for r in template["Resources"].values() if r["Type"] == "AWS::IAM::Policy"
+            and {"Ref": role_id} in r["Properties"]["Roles"] for s in r["Properties"]["PolicyDocument"]["Statement"]]
+
+
+def _allowed(statements: list[dict], action: str) -> list:
+    return [resource for s in statements if action in _as_list(s["Action"]) for resource in _as_list(s["Resource"])]
+
+
+def _arn_text(value) -> str:
+    """An ARN as IAM sees it in the aws partition (AWS::Partition rendered)."""
+    if isinstance(value, str):
+        return value
+    separator, parts = value["Fn::Join"]
+    return separator.join("aws" if p == {"Ref": "AWS::Partition"} else p for p in parts)
+
+
+def test_prod_needs_a_manual_approval_and_a_clean_staging_bake_before_any_deploy(pipeline_template, pipeline_assembly):
     actions = _actions(pipeline_template, "prod")
     first_deploy = min(a["RunOrder"] for a in actions if a["ActionTypeId"]["Category"] == "Deploy")
     (approval,) = [a for a in actions if a["ActionTypeId"]["Category"] == "Approval"]
@@ -305,26 +367,139 @@ def test_prod_needs_a_manual_approval_and_a_clean_staging_bake_before_any_deploy
     assert approval["RunOrder"] < first_deploy and bake["RunOrder"] < first_deploy
     spec = _project(pipeline_template, bake)["Source"]["BuildSpec"]
     assert _project(pipeline_template, bake)["TimeoutInMinutes"] == 30 + 15
-    assert "describe-alarms --alarm-name-prefix" in spec and "--state-value ALARM" in spec
+    assert "describe-alarms --alarm-names $ALARM_NAMES" in spec and "describe-endpoint" in spec
     variables = _variables(pipeline_template, bake)
     assert variables["BAKE_SECONDS"] == "1800"
-    assert variables["ALARM_PREFIX"] == "semif-staging-"
+    assert variables["ENDPOINT_NAMES"] == "semif-staging-decision"
+    # Every alarm of staging, by name, ...
+    staging_alarms = sorted(r["Properties"]["AlarmName"] for t in templates(pipeline_assembly[1]).values()
+                            for r in t["Resources"].values() if r["Type"] == "AWS::CloudWatch::Alarm"
+                            and r["Properties"]["AlarmName"].startswith("semif-staging-"))
+    assert sorted(variables["ALARM_NAMES"].split()) == staging_alarms and len(staging_alarms) >= 8
+    # ... and staging's check role may describe each of them (the bake fails on one it cannot read).
+    shared = templates(pipeline_assembly[1])["semif-staging-shared"]
+    patterns = [_arn_text(r) for r in _allowed(_policy_statements(shared, "semif-staging-pipeline-check"),
+                                                "cloudwatch:DescribeAlarms")]
+    for name in staging_alarms:
+        assert any(fnmatch.fnmatchcase(f"arn:aws:cloudwatch:us-east-1:111111111111:alarm:{name}", p)
+                   for p in patterns), (name, patterns)
     assert not any(a["ActionTypeId"]["Category"] == "Approval" for a in _actions(pipeline_template, "dev"))
 
 
 @pytest.mark.parametrize("env", ["dev", "staging", "prod"])
-def test_shared_stack_deploys_and_the_model_is_checked_before_any_endpoint(pipeline_template, env):
+def test_shared_stack_deploys_and_the_model_is_checked_before_any_endpoint(pipeline_template, pipeline_assembly, env):
     actions = _actions(pipeline_template, env)
     order = {a["Name"]: a["RunOrder"] for a in actions}
     (check,) = [a for a in actions if a["Name"].endswith(f"CheckModel-{env}")]
     assert order[f"semif-{env}-shared.Deploy"] < check["RunOrder"] < order[f"semif-{env}-decision.Deploy"]
     if f"semif-{env}-text.Deploy" in order:
         assert order[f"semif-{env}-decision.Deploy"] < order[f"semif-{env}-text.Deploy"]
+    # The model check custom resource's own check (manifest schema, GGUF size and checksum), from the checkout.
     spec = _project(pipeline_template, check)["Source"]["BuildSpec"]
-    assert "aws s3api head-object" in spec
+    assert ('python3 lambda/model_check/handler.py --bucket \\"$MODEL_BUCKET\\" --model-prefix \\"$MODEL_PREFIX\\" '
+            '--manifest-key \\"$MANIFEST_KEY\\"') in spec
+    assert len(check["InputArtifacts"]) == 1
     variables = _variables(pipeline_template, check)
-    assert variables["MANIFEST_KEY"].endswith("/model-manifest.json")
+    assert variables["MANIFEST_KEY"] == variables["MODEL_PREFIX"] + "model-manifest.json"
     assert variables["CHECK_ROLE_ARN"].endswith(f":role/semif-{env}-pipeline-check")
+    # The check role reads what the handler reads: the manifest and the prefix's GGUFs, and lists those keys.
+    statements = _policy_statements(templates(pipeline_assembly[1])[f"semif-{env}-shared"],
+                                    f"semif-{env}-pipeline-check")
+    reads = json.dumps(_allowed(statements, "s3:GetObject"))
+    assert f"/{variables['MODEL_PREFIX']}model-manifest.json" in reads and f"/{variables['MODEL_PREFIX']}*.gguf" in reads
+    (listing,) = [s for s in statements if s["Action"] == "s3:ListBucket"]
+    assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"{variables['MODEL_PREFIX']}model-manifest.json",
+                                                                  f"{variables['MODEL_PREFIX']}*.gguf"]}}
+
+
+@pytest.mark.parametrize("env,variant", [("dev", "cpu"), ("staging", "gpu"), ("prod", "gpu")])
+def test_each_stage_first_marks_its_digest_and_clears_a_failed_first_create(pipeline_template, env, variant):
+    actions = _actions(pipeline_template, env)
+    (pre_deploy,) = [a for a in actions if a["Name"] == f"PreDeploy-{env}"]
+    deploys = [a["RunOrder"] for a in actions if a["ActionTypeId"]["Category"] == "Deploy"]
+    prepares = [a["RunOrder"] for a in actions if a["Name"].endswith(".Prepare")]  # change-set creation
+    assert pre_deploy["RunOrder"] < min(deploys + prepares)
+    waits = [a["RunOrder"] for a in actions if a["Name"].startswith(("Approve-", "Bake-"))]
+    assert all(w < pre_deploy["RunOrder"] for w in waits)  # prod: nothing is touched before approval and bake
+    # Its input is the output of the image step of its variant: the digest it deploys.
+    (image_step,) = [a for a in _actions(pipeline_template, "Build") if a["Name"] == f"Image-{variant}"]
+    assert pre_deploy["InputArtifacts"] == image_step["OutputArtifacts"]
+    variables = _variables(pipeline_template, pre_deploy)
+    stacks = [f"semif-{env}-text", f"semif-{env}-decision", f"semif-{env}-shared"]
+    assert variables["STACKS"].split() == [s for s in stacks if env != "staging" or not s.endswith("-text")]
+    assert variables["DEPLOYED_TAG_PREFIX"] == f"deployed-{env}-"
+    account = {"dev": "111111111111", "staging": "111111111111", "prod": "222222222222"}[env]
+    assert variables["DEPLOY_ROLE_ARN"] == f"arn:aws:iam::{account}:role/cdk-hnb659fds-deploy-role-{account}-us-east-1"
+    statements = _policy_statements(pipeline_template, "semif-pipeline-pre-deploy")
+    assert sorted(_allowed(statements, "sts:AssumeRole")) == [
+        f"arn:aws:iam::{a}:role/cdk-hnb659fds-deploy-role-{a}-us-east-1" for a in ("111111111111", "222222222222")]
+    assert len(_allowed(statements, "ecr:PutImage")) == 1
+    # The check steps' role may not assume the deploy roles.
+    assert not [r for r in _allowed(_policy_statements(pipeline_template, "semif-pipeline-checks"), "sts:AssumeRole")
+                if "deploy-role" in json.dumps(r)]
+
+
+def test_no_check_step_exports_credentials_that_expire_after_an_hour(pipeline_template):
+    """Role chaining caps an assumed session at one hour; the bake may run 8 h. Every step that acts in an
+    environment assumes its role through a profile the CLI renews, never through exported keys."""
+    specs = {a["Name"]: _project(pipeline_template, a)["Source"]["BuildSpec"]
+             for stage in ("dev", "staging", "prod") for a in _actions(pipeline_template, stage)
+             if a["ActionTypeId"]["Category"] == "Build"}
+    assert {n.split("-")[0] for n in specs} >= {"PreDeploy", "Smoke", "Bake"}
+    for name, spec in specs.items():
+        assert "AWS_SESSION_TOKEN" not in spec and "sts assume-role" not in spec, name
+        assert "credential_source = EcsContainer" in spec and "AWS_PROFILE=semif-target" in spec, name
+
+
+def _lifecycle_survivors(policy: dict, images: list[dict]) -> set[str]:
+    """The digests ECR's lifecycle keeps, by its documented rules: rules apply lowest priority first; an image
+    that matches the tag selection of a rule cannot be expired by a rule of lower priority; ``imageCountMoreThan``
+    keeps the newest pushed; ``any`` selects every image not already selected."""
+    selected: set[str] = set()
+    expired: set[str] = set()
+    for rule in sorted(policy["rules"], key=lambda r: r["rulePriority"]):
+        selection = rule["selection"]
+        if selection["tagStatus"] == "tagged":
+            matching = [i for i in images if any(tag.startswith(tuple(selection["tagPrefixList"]))
+                                                 for tag in i["tags"])]
+        elif selection["tagStatus"] == "untagged":
+            matching = [i for i in images if not i["tags"]]
+        else:
+            matching = images
+        candidates = [i for i in matching if i["digest"] not in selected]
+        assert selection["countType"] == "imageCountMoreThan"
+        newest_first = sorted(candidates, key=lambda i: i["pushed"], reverse=True)
+        expired |= {i["digest"] for i in newest_first[selection["countNumber"]:]}
+        selected |= {i["digest"] for i in candidates}
+    return {i["digest"] for i in images} - expired
+
+
+def test_the_repository_never_expires_an_image_an_environment_may_still_run(pipeline_template):
+    """60 releases: each builds a cpu and a gpu image; dev and staging deploy every release, prod every tenth. Each
+    stage's pre-deploy step tags what it deploys; the images prod runs now and ran before must survive."""
+    (repository,) = [r["Properties"] for r in pipeline_template["Resources"].values()
+                     if r["Type"] == "AWS::ECR::Repository" and r["Properties"]["RepositoryName"] == "semif/adapter"]
+    policy = json.loads(repository["LifecyclePolicy"]["LifecyclePolicyText"])
+    prefixes = {env: _variables(pipeline_template, a)["DEPLOYED_TAG_PREFIX"]
+                for env in ("dev", "staging", "prod") for a in _actions(pipeline_template, env)
+                if a["Name"] == f"PreDeploy-{env}"}
+    images: list[dict] = []
+    prod_ran: list[str] = []
+    for release in range(60):
+        built = {}
+        for variant in ("cpu", "gpu"):
+            built[variant] = {"digest": f"{variant}-{release}", "pushed": len(images), "tags": [f"hash-{release}"]}
+            images.append(built[variant])
+        deployed = {"dev": built["cpu"], "staging": built["gpu"]}
+        if release % 10 == 0:
+            deployed["prod"] = built["gpu"]
+            prod_ran.append(built["gpu"]["digest"])
+        for env, image in deployed.items():
+            image["tags"].append(prefixes[env] + image["digest"])
+        survivors = _lifecycle_survivors(policy, images)
+        assert prod_ran[-1] in survivors, (release, "prod's running image")
+        assert all(d in survivors for d in prod_ran[-3:]), (release, "an image prod may roll back to")
+        assert built["cpu"]["digest"] in survivors and built["gpu"]["digest"] in survivors
 
 
 def test_smoke_step_checks_the_answers_of_both_endpoints_after_deploy(pipeline_template):
@@ -371,9 +546,93 @@ def test_every_environment_check_role_trusts_the_pipelines_named_check_role_only
         template.has_resource_properties("AWS::IAM::Role", {
             "RoleName": f"semif-{env}-pipeline-check",
             "AssumeRolePolicyDocument": {"Statement": [Match.object_like({
-                "Principal": {"AWS": "arn:aws:iam::333333333333:role/semif-pipeline-checks"}})],
+                "Principal": {"AWS": {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"},
+                                                        ":iam::333333333333:root"]]}},
+                "Condition": {"ArnEquals": {
+                    "aws:PrincipalArn": ["arn:aws:iam::333333333333:role/semif-pipeline-checks"]}}})],
                 "Version": "2012-10-17"},
         })
+
+
+def _roles_of_stacks(assembly) -> dict[str, set[str]]:
+    """Stack name -> the names of the IAM roles it creates."""
+    return {name: {r["Properties"]["RoleName"] for r in t["Resources"].values()
+                   if r["Type"] == "AWS::IAM::Role" and isinstance(r["Properties"].get("RoleName"), str)}
+            for name, t in templates(assembly).items()}
+
+
+@pytest.mark.parametrize("assembly_name", ["dev_assembly", "prod_assembly", "pipeline_assembly"])
+def test_no_trust_policy_names_a_role_of_another_stack_as_its_principal(request, assembly_name):
+    """IAM refuses a trust policy whose principal role does not exist yet ("Invalid principal"): a hand deploy of an
+    environment before the pipeline stack would fail, and so would any deploy order the stacks do not force."""
+    _, assembly = request.getfixturevalue(assembly_name)
+    created_by = {role: stack for stack, roles in _roles_of_stacks(assembly).items() for role in roles}
+    created_by["semif-pipeline-checks"] = "semif-pipeline"  # a stack of another assembly, for the environment apps
+    found = []
+    for name, template in templates(assembly).items():
+        for logical_id, resource in template["Resources"].items():
+            if resource["Type"] != "AWS::IAM::Role":
+                continue
+            for statement in resource["Properties"]["AssumeRolePolicyDocument"]["Statement"]:
+                for principal in _as_list(statement.get("Principal", {}).get("AWS", [])):
+                    if isinstance(principal, str) and ":role/" in principal:
+                        owner = created_by.get(principal.rsplit("/", 1)[-1])
+                        if owner is not None and owner != name:
+                            found.append(f"{name}/{logical_id} trusts {principal} of {owner}")
+    assert found == []
+
+
+def _as_list(value):
+    return value if isinstance(value, list) else [value]
+
+
+def _alarm_topics_and_policies(template: dict) -> tuple[set[str], dict[str, list[dict]]]:
+    resources = template["Resources"]
+    topics = {k for k, r in resources.items() if r["Type"] == "AWS::SNS::Topic"}
+    policies: dict[str, list[dict]] = {}
+    for resource in resources.values():
+        if resource["Type"] == "AWS::SNS::TopicPolicy":
+            for topic in resource["Properties"]["Topics"]:
+                policies.setdefault(topic["Ref"], []).extend(resource["Properties"]["PolicyDocument"]["Statement"])
+    return topics, policies
+
+
+@pytest.mark.parametrize("assembly_name", ["dev_assembly", "prod_assembly", "pipeline_assembly"])
+def test_every_alarm_topic_lets_cloudwatch_publish(request, assembly_name):
+    _, assembly = request.getfixturevalue(assembly_name)
+    checked = 0
+    for name, template in templates(assembly).items():
+        topics, policies = _alarm_topics_and_policies(template)
+        for topic in topics:
+            if topic not in policies:
+                continue  # no topic policy: SNS's default one lets the account's CloudWatch publish
+            allows = [s for s in policies[topic] if s["Effect"] == "Allow"
+                      and s.get("Principal") == {"Service": "cloudwatch.amazonaws.com"}
+                      and "sns:Publish" in _as_list(s["Action"])]
+            assert allows, f"{name}: topic {topic} has a policy without an Allow for CloudWatch"
+            checked += 1
+    assert checked >= 1  # the shared stacks' alarm topics carry the SSL-only policy
+
+
+@pytest.mark.parametrize("assembly_name", ["dev_assembly", "prod_assembly", "pipeline_assembly"])
+def test_no_alarm_of_any_environment_fires_while_its_endpoint_provisions(request, assembly_name):
+    """A breaching-on-missing alarm goes to ALARM when its whole evaluation range is missing (CloudWatch's
+    documented rule): every instance alarm at create, which would page prod and fail staging's bake."""
+    _, assembly = request.getfixturevalue(assembly_name)
+    instance_alarms = 0
+    for name, template in templates(assembly).items():
+        resources = template["Resources"]
+        endpoints = {k for k, r in resources.items() if r["Type"] == "AWS::SageMaker::Endpoint"}
+        for logical_id, alarm in resources.items():
+            if alarm["Type"] != "AWS::CloudWatch::Alarm":
+                continue
+            properties = alarm["Properties"]
+            assert properties.get("TreatMissingData", "missing") != "breaching", (name, properties["AlarmName"])
+            if properties.get("Namespace") == "/aws/sagemaker/Endpoints" or "/aws/sagemaker/Endpoints" in json.dumps(
+                    properties.get("Metrics", [])):
+                assert endpoints & set(alarm.get("DependsOn", [])), (name, properties["AlarmName"])
+                instance_alarms += 1
+    assert instance_alarms >= 4
 
 
 def test_resource_counts(dev_assembly, prod_assembly, pipeline_assembly):

@@ -333,14 +333,49 @@ def test_the_server_error_alarm_leaves_out_the_adapters_designed_in_503s(stacks)
     assert errors["TreatMissingData"] == "notBreaching"
 
 
-def test_instance_alarms_cover_cpu_memory_gpu_and_disk_and_a_dead_endpoint_is_not_quiet(stacks):
+def _named_resource(template: Template, name: str) -> tuple[str, dict]:
+    ((logical_id, alarm),) = [(k, a) for k, a in template.find_resources("AWS::CloudWatch::Alarm").items()
+                              if a["Properties"]["AlarmName"] == name]
+    return logical_id, alarm
+
+
+INSTANCE_KINDS = ("cpu-utilization", "memory-utilization", "disk-utilization", "gpu-utilization",
+                  "gpu-memory-utilization", "scaling-at-max")
+
+
+def test_no_alarm_fires_on_missing_data_and_instance_alarms_start_once_the_endpoint_is_in_service(stacks):
+    """CloudWatch puts an alarm whose whole evaluation range is missing in ALARM when it treats missing data as
+    breaching: every instance alarm of an endpoint that is still provisioning, and the bake would fail on it."""
+    for name in ("gpu", "cpu", "chat"):
+        template = stacks[name]
+        (endpoint_id,) = template.find_resources("AWS::SageMaker::Endpoint")
+        alarms = template.find_resources("AWS::CloudWatch::Alarm")
+        assert alarms
+        for logical_id, alarm in alarms.items():
+            properties = alarm["Properties"]
+            assert properties["TreatMissingData"] != "breaching", properties["AlarmName"]
+            if properties["AlarmName"].endswith(INSTANCE_KINDS):
+                assert endpoint_id in alarm.get("DependsOn", []), properties["AlarmName"]
+                assert properties["TreatMissingData"] in ("missing", "notBreaching"), properties["AlarmName"]
+
+
+def test_a_dead_endpoint_is_not_quiet(stacks):
+    """No instance reporting leaves the CPU alarm without data: INSUFFICIENT_DATA notifies the topic."""
+    template = stacks["gpu"]
+    (topic_id,) = template.find_resources("AWS::SNS::Topic")
+    _, cpu = _named_resource(template, "gpu-decision-cpu-utilization")
+    assert cpu["Properties"]["InsufficientDataActions"] == [{"Ref": topic_id}]
+    assert cpu["Properties"]["TreatMissingData"] == "missing"
+    others = [a["Properties"] for a in template.find_resources("AWS::CloudWatch::Alarm").values()
+              if a["Properties"].get("InsufficientDataActions")]
+    assert [a["AlarmName"] for a in others] == ["gpu-decision-cpu-utilization"]  # one page for one outage
+
+
+def test_instance_alarms_cover_cpu_memory_gpu_and_disk(stacks):
     template = stacks["gpu"]
     cpu = _named(template, "gpu-decision-cpu-utilization")
     assert (cpu["Namespace"], cpu["MetricName"]) == ("/aws/sagemaker/Endpoints", "CPUUtilization")
     assert cpu["Threshold"] == 90 * 4  # % x vCPUs of an xlarge
-    for kind in ("cpu-utilization", "memory-utilization", "gpu-utilization", "gpu-memory-utilization"):
-        # An endpoint with no healthy instance reports nothing: that is an alarm, not a quiet night.
-        assert _named(template, f"gpu-decision-{kind}")["TreatMissingData"] == "breaching", kind
     assert _named(template, "gpu-decision-gpu-utilization")["MetricName"] == "GPUUtilization"
     assert _named(template, "gpu-decision-gpu-memory-utilization")["MetricName"] == "GPUMemoryUtilization"
     assert _named(template, "gpu-decision-disk-utilization")["MetricName"] == "DiskUtilization"
@@ -385,9 +420,12 @@ def test_execution_role_names_every_resource_it_can_name(stacks):
             by_action.setdefault(action, []).extend(_as_list(statement["Resource"]))
     assert set(by_action) == {
         "s3:GetObject", "s3:ListBucket", "kms:Decrypt", "ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer",
-        "ecr:BatchCheckLayerAvailability", "ecr:GetAuthorizationToken", "logs:CreateLogStream",
+        "ecr:BatchCheckLayerAvailability", "ecr:GetAuthorizationToken", "logs:CreateLogGroup", "logs:CreateLogStream",
         "logs:PutLogEvents", "logs:DescribeLogStreams", "cloudwatch:PutMetricData",
     }
+    # SageMaker's documented CreateModel permissions include logs:CreateLogGroup; here it names the one group.
+    assert by_action["logs:CreateLogGroup"] == [{"Fn::Join": ["", [
+        "arn:", {"Ref": "AWS::Partition"}, ":logs:us-east-1:123456789012:log-group:/aws/sagemaker/Endpoints/gpu-decision"]]}]
     wildcard_actions = {a for a, resources in by_action.items() if "*" in resources}
     assert wildcard_actions == {"ecr:GetAuthorizationToken", "cloudwatch:PutMetricData"}
     assert "models-bucket/models/m/1/*" in json.dumps(by_action["s3:GetObject"])

@@ -58,9 +58,13 @@ def test_the_check_is_a_python_3_14_function_with_its_own_log_group_and_retentio
 def test_the_check_role_reads_the_manifest_and_the_prefixs_ggufs_only_and_decrypts_with_the_model_key_via_s3():
     template = _check_template("models/m/1/")
     statements = _by_action(template)
-    assert set(statements) == {("logs:CreateLogStream", "logs:PutLogEvents"), "s3:GetObject", "kms:Decrypt"}
+    assert set(statements) == {("logs:CreateLogStream", "logs:PutLogEvents"), "s3:GetObject", "s3:ListBucket",
+                               "kms:Decrypt"}
     assert sorted(map(str, statements["s3:GetObject"]["Resource"])) == sorted(
         map(str, [_object_arn("models/m/1/model-manifest.json"), _object_arn("models/m/1/*.gguf")]))
+    # Listing only the keys it reads: how the check tells a missing model from an access denied.
+    assert statements["s3:ListBucket"]["Condition"] == {
+        "StringLike": {"s3:prefix": ["models/m/1/model-manifest.json", "models/m/1/*.gguf"]}}
     assert statements["kms:Decrypt"]["Resource"] == KEY_ARN
     assert statements["kms:Decrypt"]["Condition"] == {"StringEquals": {"kms:ViaService": "s3.us-east-1.amazonaws.com"}}
     (log_group_id,) = [k for k, r in template["Resources"].items() if r["Type"] == "AWS::Logs::LogGroup"]

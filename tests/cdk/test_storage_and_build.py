@@ -37,7 +37,7 @@ def shared_dev():
 def images():
     stack = Stack(App(), "Images", env=Environment(account="333333333333", region="us-east-1"))
     AdapterImageRepository(stack, "AdapterImages", keep_last_images=12,
-                           pull_accounts=["111111111111", "222222222222", "333333333333"])
+                           pull_accounts=["111111111111", "222222222222", "333333333333"], environments=["dev", "prod"])
     return Template.from_stack(stack)
 
 
@@ -86,6 +86,23 @@ def test_alarm_topic_is_kms_encrypted_and_only_this_accounts_cloudwatch_may_use_
     shared.has_resource_properties("AWS::SNS::Subscription", {"Protocol": "email", "Endpoint": "ops@example.com"})
 
 
+def test_the_alarm_topic_lets_this_accounts_cloudwatch_alarms_publish(shared):
+    """The SSL-only topic policy replaces SNS's default one: CloudWatch needs its own Allow, or every alarm action
+    fails (the alarm history shows "not authorized to perform: SNS:Publish")."""
+    (topic_id,) = shared.find_resources("AWS::SNS::Topic")
+    (policy,) = shared.find_resources("AWS::SNS::TopicPolicy").values()
+    assert policy["Properties"]["Topics"] == [{"Ref": topic_id}]
+    statements = policy["Properties"]["PolicyDocument"]["Statement"]
+    (allow,) = [s for s in statements if s["Effect"] == "Allow"]
+    assert allow["Principal"] == {"Service": "cloudwatch.amazonaws.com"}
+    assert allow["Action"] == "sns:Publish" and allow["Resource"] == {"Ref": topic_id}
+    assert allow["Condition"]["StringEquals"] == {"aws:SourceAccount": "123456789012"}
+    assert allow["Condition"]["ArnLike"] == {"aws:SourceArn": {"Fn::Join": ["", [
+        "arn:", {"Ref": "AWS::Partition"}, ":cloudwatch:us-east-1:123456789012:alarm:*"]]}}
+    (deny,) = [s for s in statements if s["Effect"] == "Deny"]
+    assert deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+
+
 def test_stable_shared_outputs_are_exported_and_the_model_prefix_is_in_ssm_only(shared):
     for key, export in [("model-bucket/name", "semif-test-model-bucket-name"),
                         ("alarm-topic-arn", "semif-test-alarm-topic-arn")]:
@@ -115,19 +132,47 @@ def test_pipeline_check_role_trusts_one_named_pipeline_role_and_reads_only_the_m
     (role,) = [r["Properties"] for r in shared.find_resources("AWS::IAM::Role").values()
                if r["Properties"].get("RoleName") == "semif-test-pipeline-check"]
     (trust,) = role["AssumeRolePolicyDocument"]["Statement"]
-    assert trust["Principal"] == {"AWS": CHECK_PRINCIPAL}
+    # The pipeline's role by ARN in a condition, not as the principal: IAM refuses a principal role that does not
+    # exist yet (a hand deploy before the pipeline), and one re-created under the same name would not match.
+    assert trust["Principal"] == {"AWS": {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":iam::333333333333:root"]]}}
+    assert trust["Condition"] == {"ArnEquals": {"aws:PrincipalArn": [CHECK_PRINCIPAL]}}
     policy = json.dumps([p for k, p in shared.find_resources("AWS::IAM::Policy").items()
                          if k.startswith("PipelineCheckRole")])
-    assert "models/m/1/model-manifest.json" in policy and "models/m/1/*" not in policy
+    # What the model check reads (the pipeline's CheckModel step runs it): the manifest and the prefix's GGUFs.
+    assert "models/m/1/model-manifest.json" in policy and "models/m/1/*.gguf" in policy
+    assert '"models/m/1/*"' not in policy and "models/m/1/*\"" not in policy
     assert "endpoint/semif-test-decision" in policy
     assert "alarm:semif-test-decision-*" in policy
+
+
+def test_stage_checks_read_and_write_only_the_prefixes_the_shared_stack_names_for_them():
+    template = shared_stack(check_reads=("eval/",), check_writes=("reports/",))
+    statements = [s for k, p in template.find_resources("AWS::IAM::Policy").items() if k.startswith("PipelineCheckRole")
+                  for s in p["Properties"]["PolicyDocument"]["Statement"]]
+    by_action = {}
+    for statement in statements:
+        for action in statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]:
+            by_action.setdefault(action, []).append(json.dumps(statement["Resource"]))
+    assert any("/eval/*" in r for r in by_action["s3:GetObject"])
+    assert all("/reports/" not in r for r in by_action["s3:GetObject"])
+    assert [r for r in by_action["s3:PutObject"]] == [r for r in by_action["s3:PutObject"] if "/reports/*" in r]
+    assert len(by_action["s3:PutObject"]) == 1
+    listing = [s for s in statements if s["Action"] == "s3:ListBucket" and "eval/*" in json.dumps(s)]
+    assert listing and listing[0]["Condition"] == {"StringLike": {"s3:prefix": ["eval/*"]}}
+    # Without stage checks, the role writes nothing.
+    plain = json.dumps([p for k, p in shared_stack().find_resources("AWS::IAM::Policy").items()
+                        if k.startswith("PipelineCheckRole")])
+    assert "s3:PutObject" not in plain
+    with pytest.raises(ValueError, match="ending in '/'"):
+        shared_stack(check_writes=("reports",))
 
 
 def test_for_a_tarball_the_pipeline_check_role_reads_the_manifest_beside_it_as_the_model_check_does():
     policy = json.dumps([p for k, p in shared_stack(model_prefix="models/m/2/model.tar.gz").find_resources(
         "AWS::IAM::Policy").items() if k.startswith("PipelineCheckRole")])
-    # Where `semif-package-model upload --tar-gz` writes it, and where the custom resource reads it.
-    assert "models/m/2/model-manifest.json" in policy and "model.tar.gz" not in policy
+    # Where `semif-package-model upload --tar-gz` writes it, and where the custom resource reads it; and the tarball.
+    assert "models/m/2/model-manifest.json" in policy and "models/m/2/model.tar.gz" in policy
+    assert "*" not in policy.replace("alarm:semif-test-decision-*", "")
 
 
 def test_central_repository_keeps_immutable_scanned_encrypted_images_and_lets_environment_accounts_pull(images):
@@ -136,8 +181,14 @@ def test_central_repository_keeps_immutable_scanned_encrypted_images_and_lets_en
     assert image_repo["ImageTagMutability"] == "IMMUTABLE"
     assert image_repo["ImageScanningConfiguration"] == {"ScanOnPush": True}
     assert image_repo["EncryptionConfiguration"]["EncryptionType"] == "KMS"
-    lifecycle = json.loads(image_repo["LifecyclePolicy"]["LifecyclePolicyText"])
-    assert lifecycle["rules"][0]["selection"]["countNumber"] == 12
+    lifecycle = json.loads(image_repo["LifecyclePolicyText"] if "LifecyclePolicyText" in image_repo
+                           else image_repo["LifecyclePolicy"]["LifecyclePolicyText"])
+    # The images each environment was last deployed with first; the 'any' rule (which ECR requires last) cannot
+    # expire an image a higher-priority rule's tags select (tests/cdk/test_app.py simulates 60 releases).
+    rules = sorted(lifecycle["rules"], key=lambda r: r["rulePriority"])
+    assert [r["selection"].get("tagPrefixList") for r in rules] == [["deployed-dev-"], ["deployed-prod-"], None]
+    assert rules[-1]["selection"]["tagStatus"] == "any"
+    assert all(r["selection"]["countNumber"] == 12 for r in rules)
     (statement,) = image_repo["RepositoryPolicyText"]["Statement"]
     principals = json.dumps(statement["Principal"])
     assert "111111111111" in principals and "222222222222" in principals and "333333333333" not in principals

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -299,6 +301,13 @@ def test_a_bake_must_name_a_stage_that_runs_before_its_target(tmp_path, raw_conf
         _load(tmp_path, raw)
 
 
+def test_the_repository_keeps_at_least_the_running_image_and_the_one_before(tmp_path, raw_config):
+    raw = copy.deepcopy(raw_config)
+    raw["pipeline"]["image_keep_last"] = 1
+    with pytest.raises(ConfigError, match="pipeline.image_keep_last: keep at least 2"):
+        _load(tmp_path, raw)
+
+
 def test_dlc_images_are_pinned_by_digest(tmp_path, raw_config):
     raw = copy.deepcopy(raw_config)
     raw["dlc_images"]["gpu"] = "server-sagemaker-cuda-v1"
@@ -318,12 +327,61 @@ def test_monthly_minimum_cost_table_in_the_deploy_doc_matches_the_config():
     assert dev_total < 300
 
 
-def test_the_deploy_doc_walks_from_zero_and_says_what_stays_unverified():
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
-    for heading in ("## 0. Before the first deploy", "## 1. Bootstrap", "## 2. Quotas: GPU instances for blue/green",
-                    "## 3. Deploy the pipeline, then give it a model", "## What stays unverified without an AWS account"):
-        assert heading in doc, heading
+DEPLOY_DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
+
+
+def _bash_blocks(doc: str) -> list[str]:
+    return [block.split("\n", 1)[1] for block in doc.split("```bash")[1:] for block in [block.split("```")[0]]]
+
+
+def test_the_deploy_doc_leads_with_a_first_deploy_in_fresh_accounts_step_by_step():
+    doc = DEPLOY_DOC.read_text()
+    headings = [line for line in doc.splitlines() if line.startswith("## ")]
+    assert headings[0] == "## First deploy in fresh accounts"
+    tutorial = doc.split("## First deploy in fresh accounts")[1].split("\n## ")[0]
+    steps = [line for line in tutorial.splitlines() if line.startswith("### ")]
+    assert [s.split(".")[0] for s in steps] == [f"### {n}" for n in range(1, 11)]
+    for needed in ("batch-get-image", "cdk bootstrap", "codeconnections create-connection", "SemIf-prod-Shared",
+                   "semif-package-model upload", "SemIf-Pipeline", "put-approval-result", "invoke-endpoint"):
+        assert needed in tutorial, needed
+
+
+def test_every_shell_block_of_the_deploy_doc_parses_and_names_real_stacks():
+    doc = DEPLOY_DOC.read_text()
+    blocks = _bash_blocks(doc)
+    assert len(blocks) >= 12
+    for block in blocks:
+        result = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
+        assert result.returncode == 0, (block, result.stderr)
+    stacks = {"SemIf-Pipeline"} | {f"SemIf-{env}-{kind}" for env in ("dev", "staging", "prod")
+                                   for kind in ("Shared", "Decision", "Text")}
+    deployed = re.findall(r"npx cdk deploy [^\n]*?(SemIf-[\w-]+)", doc)
+    assert deployed and set(deployed) <= stacks, deployed
+
+
+def test_the_deploy_doc_looks_the_dlc_digests_up_as_the_refusals_do():
+    from constructs_lib.image_sources import dlc_digest_lookup
+
+    doc = " ".join(DEPLOY_DOC.read_text().split())
+    for variant in ("cpu", "gpu"):
+        essential = dlc_digest_lookup("us-east-1", variant).split("--registry-id")[1]
+        assert f"--registry-id{essential}" in doc, variant
+
+
+def test_the_deploy_doc_says_what_to_do_for_each_failure_in_the_order_a_release_meets_them():
+    doc = DEPLOY_DOC.read_text()
+    section = doc.split("## When the first release fails")[1].split("\n## ")[0]
+    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| `") or
+            line.startswith("| Source")]
+    order = ["Source", "`Image-<variant>`", "`Synth`", "`PreDeploy-<env>`", "`semif-<env>-shared`",
+             "`CheckModel-<env>`", "`semif-<env>-decision`", "`semif-<env>-text`", "`Smoke-<env>`",
+             "`Bake-staging-before-prod`"]
+    assert [r for i, r in enumerate(rows) if i == 0 or rows[i - 1] != r] == order
+    assert "--retry-mode ALL_ACTIONS" in section and "ChangeSet does not exist" in section
+
+
+def test_the_deploy_doc_says_what_stays_unverified():
+    doc = DEPLOY_DOC.read_text()
     unverified = doc.split("## What stays unverified without an AWS account")[1]
     assert "The image build itself is unverified until its first CodeBuild run" in unverified
     assert "autoscaling_enabled: false" in doc  # the instance-type change procedure
-    assert "aws ecr describe-images --region us-east-1 --registry-id 763104351884" in doc  # DLC digest look-up

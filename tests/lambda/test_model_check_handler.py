@@ -233,6 +233,78 @@ def test_delete_is_a_no_op_that_reads_nothing(s3):
     assert handler.handle(event, s3) == {"Status": "SUCCESS", "PhysicalResourceId": f"s3://{BUCKET}/{PREFIX}"}
 
 
+# --- access denied is not "upload the model" ----------------------------------------------------
+
+KMS_DENIED = ("User: arn:aws:sts::111111111111:assumed-role/check/x is not authorized to perform: kms:Decrypt on "
+              "resource: arn:aws:kms:us-east-1:111111111111:key/k because no identity-based policy allows it")
+
+
+def _denied_client(*, manifest_listed: bool, message: str = KMS_DENIED, list_denied: bool = False):
+    """A real S3 client whose answers are stubbed: GetObject of the manifest is denied (403), then the listing of
+    that one key shows it, does not, or is denied too."""
+    from botocore.stub import Stubber
+
+    client = boto3.client("s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y")
+    stubber = Stubber(client)
+    key = PREFIX + "model-manifest.json"
+    stubber.add_client_error("get_object", service_error_code="AccessDenied", service_message=message,
+                             http_status_code=403, expected_params={"Bucket": BUCKET, "Key": key})
+    listing = {"Bucket": BUCKET, "Prefix": key, "MaxKeys": 1}
+    if list_denied:
+        stubber.add_client_error("list_objects_v2", service_error_code="AccessDenied", http_status_code=403,
+                                 expected_params=listing)
+    else:
+        contents = {"Contents": [{"Key": key, "Size": 10}], "KeyCount": 1} if manifest_listed else {"KeyCount": 0}
+        stubber.add_response("list_objects_v2", contents, expected_params=listing)
+    stubber.activate()
+    return client, stubber
+
+
+def test_a_kms_refusal_on_a_manifest_that_is_there_names_the_key_policy_not_an_upload():
+    client, stubber = _denied_client(manifest_listed=True)
+    result = handler.handle(_event(), client)
+    stubber.assert_no_pending_responses()
+    assert result["Status"] == "FAILED"
+    assert "access denied reading" in result["Reason"] and "which exists" in result["Reason"]
+    assert "KMS key" in result["Reason"] and "kms:Decrypt" in result["Reason"]
+    assert "upload" not in result["Reason"]
+
+
+def test_an_iam_refusal_on_a_manifest_that_is_there_names_the_roles_grant():
+    client, _ = _denied_client(manifest_listed=True, message="Access Denied")
+    reason = handler.handle(_event(), client)["Reason"]
+    assert "may not read it" in reason and "s3:GetObject" in reason and "upload" not in reason
+
+
+def test_a_403_for_a_manifest_that_is_not_there_still_says_upload_it():
+    client, _ = _denied_client(manifest_listed=False, message="Access Denied")
+    reason = handler.handle(_event(), client)["Reason"]
+    assert reason.startswith(f"no model manifest at s3://{BUCKET}/{PREFIX}model-manifest.json (S3: AccessDenied)")
+    assert "semif-package-model upload" in reason
+
+
+def test_a_403_that_cannot_be_told_apart_says_what_to_check_instead_of_upload():
+    client, _ = _denied_client(manifest_listed=False, list_denied=True)
+    reason = handler.handle(_event(), client)["Reason"]
+    assert "listing it was denied too" in reason and "KMS key" in reason and "upload" not in reason
+
+
+# --- the same check from the pipeline's CheckModel step -----------------------------------------
+
+
+def test_the_command_line_check_passes_an_uploaded_model_and_fails_a_missing_gguf_with_the_reason(s3, tiny_gguf,
+                                                                                                 capsys):
+    args = ["--bucket", BUCKET, "--model-prefix", PREFIX, "--manifest-key", PREFIX + "model-manifest.json"]
+    assert handler.main(args, s3) == 1
+    assert "model check failed: no model manifest at" in capsys.readouterr().err
+    _upload(tiny_gguf)
+    assert handler.main(args, s3) == 0
+    assert f"model OK: s3://{BUCKET}/{PREFIX}{tiny_gguf.name}" in capsys.readouterr().out
+    s3.put_object(Bucket=BUCKET, Key=PREFIX + tiny_gguf.name, Body=tiny_gguf.read_bytes()[:-1])
+    assert handler.main(args, s3) == 1
+    assert "bytes;" in capsys.readouterr().err  # the GGUF itself is checked, not only the manifest's presence
+
+
 def test_upload_command_keeps_a_non_default_models_root():
     assert handler.upload_command("b", "team/x/m/7/") == "semif-package-model upload <model.gguf> --bucket b --name m " \
                                                         "--version 7 --prefix 'team/x'"
