@@ -97,6 +97,7 @@ def test_a_load_within_capacity_passes_with_no_503_and_writes_its_report_to_s3_w
     assert len({line["state_sha256"] for line in decisions}) == len(decisions) == report["successes"] + 1
 
 
+@pytest.mark.timeout(60)  # a plan that escaped its bounds would run for its whole duration: fail in a minute, not 15
 @pytest.mark.parametrize("arguments, field", [
     (["--clients", "0"], "clients"),
     (["--duration-s", "7200"], "duration_s"),
