@@ -26,8 +26,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..serving.calibration import ece
 from ..serving.policy import Policy, decide
 
-Share = Field(ge=0.0, le=1.0)
-
 
 class GateError(ValueError):
     """A report, baseline or limits file the gate cannot use; the message says which and why."""
