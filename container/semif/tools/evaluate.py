@@ -3,6 +3,8 @@
     semif-eval data.jsonl --model model.gguf [--scoring label,sequence] [--compare-chat] [--out DIR]
     semif-eval data.jsonl --url http://127.0.0.1:8080
     semif-eval data.jsonl --endpoint semif-prod --region eu-west-1
+    semif-eval s3://bucket/eval/data.jsonl --endpoint semif-staging --out s3://bucket/reports/staging/ \
+        --baseline s3://bucket/reports/prod/report.json --limits limits.json      # the release gate
 
 Each line: {"id", "category", "state", "question", "options": [{"id", "description"}], "answer"}
 (optional "decision_id": the key calibration groups by; default: the category).
@@ -10,7 +12,9 @@ Each line: {"id", "category", "state", "question", "options": [{"id", "descripti
 Reports validity, accuracy (overall, per category), the top confusions, client-side latency, tokens,
 NLL, Brier, ECE (15 bins), accuracy/coverage, the abstention policy's coverage and accuracy, thresholds
 for target accuracies, cross-validated calibration (temperature, contextual), and with --compare-chat
-the same cases through chat generation. Writes report.json and PNGs; see docs/evaluation.md.
+the same cases through chat generation. Writes report.json (with per-case results) and PNGs, to a folder
+or an s3:// prefix (SSE-KMS); with --baseline/--limits, also the release gate's verdict (semif.tools.gate),
+exiting 1 when a limit fails. See docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -51,17 +55,39 @@ class ChatUnavailable(Exception):
 # ---- labeled data ---------------------------------------------------------------------------------
 
 
-def load_rows(path: str | Path, limit: Optional[int] = None) -> list[dict]:
+def load_rows(path: str | Path, limit: Optional[int] = None, *, storage=None) -> list[dict]:
+    """The labeled cases of a JSONL file at a local path or an s3:// URI (see `parse_rows`)."""
+    from .storage import Storage
+
+    return parse_rows((storage or Storage()).read_text(str(path)), str(path), limit)
+
+
+def parse_rows(text: str, path: str, limit: Optional[int] = None) -> list[dict]:
+    """Labeled cases from JSONL text. ValueError names the line of anything the evaluation cannot use
+    (bad JSON, a missing field, an answer not among the options, an id given twice: the gate compares
+    reports case by case, by id)."""
     rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    seen: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object")
         missing = {"id", "state", "question", "options", "answer"} - set(row)
         if missing:
             raise ValueError(f"{path}:{number}: missing {', '.join(sorted(missing))}")
+        if not isinstance(row["options"], list) or not all(isinstance(o, dict) and "id" in o for o in row["options"]):
+            raise ValueError(f"{path}:{number}: options must be a list of objects with an id")
         if row["answer"] not in [o["id"] for o in row["options"]]:
             raise ValueError(f"{path}:{number}: answer {row['answer']!r} is not one of the options")
+        key = str(row["id"])
+        if key in seen:
+            raise ValueError(f"{path}:{number}: id {key!r} is already used on line {seen[key]}")
+        seen[key] = number
         row.setdefault("category", "all")
         rows.append(row)
     return rows[:limit] if limit else rows
@@ -202,15 +228,20 @@ class InProcessTarget:
 class RemoteTarget:
     """`--url` (HTTP) or `--endpoint` (SageMaker): the SemIf schema through semif.tools.client, with retries."""
 
-    def __init__(self, client, kind: str, address: str):
+    def __init__(self, client, kind: str, address: str, endpoint_record: Optional[dict] = None):
         self.client = client
         self.kind = kind
         self.address = address
         self.last_record: dict = {}
+        # Behind one endpoint, instances (or instance pools) may differ: count what each answer reports.
+        self.hardware_seen: Counter = Counter()
+        self.endpoint_record = endpoint_record
 
     def describe(self) -> dict:
         record = dict(self.last_record)
-        record.update(target=self.kind, address=self.address)
+        record.update(target=self.kind, address=self.address, hardware_seen=dict(self.hardware_seen))
+        if self.endpoint_record is not None:
+            record["endpoint"] = self.endpoint_record
         return record
 
     def decide(self, row: dict, scoring: str, *, state: Optional[str] = None) -> CaseOutcome:
@@ -234,6 +265,8 @@ class RemoteTarget:
             "hardware": model.get("hardware"), "n_gpu_layers": model.get("n_gpu_layers"), "image_digest": model.get("image_digest"),
             "calibration_version": (result.get("calibration") or {}).get("version"),
         }
+        if model.get("hardware"):
+            self.hardware_seen[model["hardware"]] += 1
         return CaseOutcome(latency_ms=latency, option_logits=result.get("option_logits"), probabilities=result.get("probabilities"),
                         tokens=prompt.get("tokens"), attempts=result.attempts,
                         record={"options_sha256": prompt.get("options_sha256")})
@@ -436,7 +469,7 @@ class EvalConfig:
 
 
 def run_eval(target, rows: list[dict], config: EvalConfig, *, progress: Optional[Callable[[str, int], None]] = None,
-             data_path: Optional[str] = None) -> dict:
+             data_path: Optional[str] = None, data_sha256: Optional[str] = None) -> dict:
     """Run every case through ``target`` for each scoring method (and chat), and build the report.
     The paths are interleaved case by case, so that a side-by-side latency comparison sees the same
     machine load on each path."""
@@ -463,7 +496,10 @@ def run_eval(target, rows: list[dict], config: EvalConfig, *, progress: Optional
             {"id": row["id"], "category": row["category"], "answer": row["answer"],
              "predicted": row["options"][int(np.argmax(o.probabilities))]["id"] if o.valid else None,
              "probabilities": o.probabilities, "option_logits": o.option_logits, "latency_ms": round(o.latency_ms, 3),
-             "tokens": o.tokens, "error": o.error, "attempts": o.attempts}
+             "tokens": o.tokens, "error": o.error, "attempts": o.attempts,
+             # what the gate matches cases on: the option ids in order, and the option set's hash as served
+             "option_ids": [opt["id"] for opt in row["options"]],
+             "options_sha256": o.record.get("options_sha256") or options_sha256(option_pairs(row))}
             for row, o in zip(rows, outcomes[scoring])
         ]
         report["runs"][scoring] = run
@@ -481,7 +517,7 @@ def run_eval(target, rows: list[dict], config: EvalConfig, *, progress: Optional
         "template_version": target.describe().get("template_version") or TEMPLATE_VERSION,
         "option_set_sha256": sorted({options_sha256(option_pairs(r)) for r in rows}),
         "data_file": str(data_path) if data_path else None,
-        "data_sha256": sha256_file(data_path) if data_path else None,
+        "data_sha256": data_sha256 or (sha256_file(data_path) if data_path else None),
         "semif_version": __version__,
         "host": host_record(),
         "command": " ".join(sys.argv),
@@ -660,7 +696,13 @@ def make_target(args) -> Any:
         return InProcessTarget.load(args.model, n_threads=args.n_threads, calibration_path=getattr(args, "calibration", None))
     if args.url:
         return RemoteTarget(SemIfClient(args.url, retry=retry, api_key=args.api_key or os.environ.get("SEMIF_API_KEY")), "url", args.url)
-    return RemoteTarget(SemIfClient.for_endpoint(args.endpoint, region_name=args.region, retry=retry), "endpoint", args.endpoint)
+    import boto3
+
+    from .endpoint_record import describe_endpoint_record
+
+    record = describe_endpoint_record(boto3.client("sagemaker", region_name=args.region), args.endpoint)
+    return RemoteTarget(SemIfClient.for_endpoint(args.endpoint, region_name=args.region, retry=retry), "endpoint", args.endpoint,
+                        endpoint_record=record)
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
@@ -691,28 +733,61 @@ def parse_scorings(raw: str) -> tuple[str, ...]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Exit status: 0 done (and the gate passed, when one was asked for), 1 a gate limit failed,
+    2 bad arguments or input, 3 the target cannot be opened."""
+    from .gate import GateError, add_gate_arguments, compare, load_baseline, load_json_argument, parse_limits, print_verdict
+    from .storage import Storage, StorageError
+
     parser = argparse.ArgumentParser(prog="semif-eval", description="Evaluate SemIf decisions on labeled data.")
     add_target_arguments(parser)
     parser.add_argument("--compare-chat", action="store_true", help="also run the cases through chat generation")
     parser.add_argument("--calibration", help="calibration file to apply in-process (--model)")
     parser.add_argument("--policy", help='abstention policy JSON, e.g. \'{"min_probability": 0.7, "min_margin": 0.2, "fallback": "escalate"}\'')
     parser.add_argument("--target-accuracy", default="0.8,0.9,0.95", help="accuracies to recommend thresholds for")
-    parser.add_argument("--out", default="semif-eval-out", help="directory for report.json and the PNGs")
+    parser.add_argument("--out", default="semif-eval-out", help="directory or s3:// prefix for report.json and the PNGs")
     parser.add_argument("--prefix", default="", help="prefix of the PNG file names")
+    parser.add_argument("--kms-key-id", help="KMS key for objects written to S3 (default: the bucket's default KMS key)")
     parser.add_argument("--no-progress", action="store_true")
+    add_gate_arguments(parser)
     args = parser.parse_args(argv)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # one line per message in CI logs
+    storage = Storage(kms_key_id=args.kms_key_id)
     try:
         policy = Policy.from_mapping(json.loads(args.policy)) if args.policy else None
     except (ValueError, TypeError) as exc:
         console.print(f"semif-eval: --policy: {exc}")
         return 2
-    rows = load_rows(args.data, args.limit)
-    config = EvalConfig(scorings=parse_scorings(args.scoring), compare_chat=args.compare_chat, contextual=not args.no_contextual,
+    # The gate's inputs are read before the evaluation: a bad limits file or a missing baseline fails in
+    # seconds, not after every case has run.
+    limits = baseline = None
+    gate_note = None
+    if args.limits or args.baseline:
+        try:
+            limits = parse_limits(load_json_argument(args.limits, storage, "--limits") if args.limits else {}, "--limits")
+            baseline, gate_note = load_baseline(args.baseline, storage, allow_missing=args.allow_missing_baseline)
+        except (GateError, StorageError) as exc:
+            console.print(f"semif-eval: {exc}")
+            return 2
+        if policy is None and limits.policy is not None:
+            policy = limits.policy.policy()
+    scorings = parse_scorings(args.scoring)
+    if limits is not None and limits.scoring not in scorings:
+        console.print(f"semif-eval: the gate's limits judge {limits.scoring} scoring; add it to --scoring")
+        return 2
+    try:
+        data = storage.read_bytes(args.data)
+        rows = parse_rows(data.decode("utf-8"), args.data, args.limit)
+    except (StorageError, UnicodeDecodeError, ValueError) as exc:
+        console.print(f"semif-eval: {exc}")
+        return 2
+    if not rows:
+        console.print(f"semif-eval: {args.data}: no labeled cases")
+        return 2
+    config = EvalConfig(scorings=scorings, compare_chat=args.compare_chat, contextual=not args.no_contextual,
                         folds=args.folds, seed=args.seed, min_per_decision=args.min_per_decision, policy=policy,
                         targets=tuple(float(t) for t in args.target_accuracy.split(",") if t.strip()))
     try:
@@ -726,16 +801,52 @@ def main(argv: Optional[list[str]] = None) -> int:
             tasks = {s: bar.add_task(f"decision ({s})", total=len(rows)) for s in config.scorings}
             if config.compare_chat:
                 tasks["chat"] = bar.add_task("chat", total=len(rows))
-            report = run_eval(target, rows, config, progress=lambda task, n: bar.advance(tasks[task], n), data_path=args.data)
+            report = run_eval(target, rows, config, progress=lambda task, n: bar.advance(tasks[task], n), data_path=args.data,
+                              data_sha256=hashlib.sha256(data).hexdigest())
     finally:
         target.close()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report["plots"] = write_plots(report, out_dir, prefix=args.prefix)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=_json_default))
+    report_location = storage.join(args.out, "report.json")
+    try:
+        report["plots"] = write_report_plots(report, args.out, storage, prefix=args.prefix)
+    except StorageError as exc:
+        console.print(f"semif-eval: {exc}")
+        return 2
+    report = json.loads(json.dumps(report, default=_json_default))  # plain JSON types, as a reader of the file sees them
+    verdict = None
+    if limits is not None:
+        try:
+            verdict = compare(report, baseline, limits, candidate_location=report_location,
+                              baseline_location=args.baseline if baseline is not None else None)
+        except GateError as exc:
+            console.print(f"semif-eval: {exc}")
+            return 2
+        report["gate"] = verdict.model_dump(mode="json")
+    try:
+        written = storage.write_text(report_location, json.dumps(report, indent=2), "application/json")
+    except StorageError as exc:
+        console.print(f"semif-eval: {exc}")
+        return 2
     print_report(report, Console() if sys.stdout.isatty() else Console(width=160))  # wide tables in logs too
-    console.print(f"wrote {out_dir / 'report.json'} and {', '.join(report['plots'])}")
+    console.print(f"wrote {written} and {', '.join(report['plots'])}")
+    if verdict is not None:
+        if gate_note:
+            console.print(gate_note)
+        print_verdict(verdict, Console() if sys.stdout.isatty() else Console(width=160))
+        return 0 if verdict.passed else 1
     return 0
+
+
+def write_report_plots(report: dict, out: str, storage, *, prefix: str = "") -> list[str]:
+    """The PNGs into a local folder, or drawn in a temporary one and written under an s3:// prefix."""
+    from .storage import is_s3
+
+    if not is_s3(out):
+        return write_plots(report, Path(out), prefix=prefix)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="semif-eval-plots-") as scratch:
+        return [storage.write_bytes(storage.join(out, Path(local).name), Path(local).read_bytes(), "image/png")
+                for local in write_plots(report, Path(scratch), prefix=prefix)]
 
 
 if __name__ == "__main__":
