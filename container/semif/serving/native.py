@@ -252,19 +252,13 @@ def _read_upstream(metadata: Mapping[str, str], arch: str, kind: str, tokenize: 
             tokens = tokenize(letter, special=False)
             if len(tokens) != 1:
                 raise NativeDecisionError(f"decision label {letter!r} is not a single token")
-            shared = [code for code, token in codes if token == tokens[0]]
-            if shared:  # e.g. both map to the unknown token: two options would always score alike
-                raise NativeDecisionError(f"decision labels {shared[0]!r} and {letter!r} are the same token {tokens[0]}")
             codes.append((letter, tokens[0]))
     else:
         candidates = list(string.ascii_uppercase) + [a + b for a in string.ascii_uppercase for b in string.ascii_uppercase]
-        taken: set[int] = set()
         for code in candidates:
             tokens = tokenize(code, special=False)
-            # A code whose token another code already has is skipped: the template writes each option's code.
-            if len(tokens) == 1 and tokens[0] not in taken and len(codes) < 255:
+            if len(tokens) == 1 and len(codes) < 255:
                 codes.append((code, tokens[0]))
-                taken.add(tokens[0])
     native = NativeDecision(
         source="llama.cpp", kind=kind, template=template, temperatures=temperatures, label_codes=tuple(codes),
         labels_in_options=kind != "openjev", noul_true_first=kind == "openjev", add_bos=False,
