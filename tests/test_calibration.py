@@ -13,6 +13,7 @@ from semif.serving.calibration import (
     Calibration,
     CalibrationError,
     Case,
+    FitKind,
     accuracy_coverage,
     apply_contextual,
     brier,
@@ -142,9 +143,20 @@ def test_contextual_calibration_divides_by_the_content_free_prior():
 # ---- the calibration file and the adapter -----------------------------------------------------------
 
 
-def calibration_payload(model_sha256: str, *, temperature: float = 2.0, per_decision=None, policy=None) -> dict:
-    scorings = {"label": {"global": {"temperature": temperature, "n": 10}, "per_decision": per_decision or {}}}
-    return build_file(model_sha256=model_sha256, model_file="m.gguf", template_version="t", scorings=scorings, fit={}, policy=policy)
+LABEL = FitKind("label", "state_first", "none")
+
+
+def calibration_payload(model_sha256: str, *, temperature: float = 2.0, per_decision=None, policy=None,
+                        template_version: str = "t", template_sha256: str = "d" * 64, kind: FitKind = LABEL) -> dict:
+    entry = {"global": {"temperature": temperature, "n": 10}, "per_decision": per_decision or {}}
+    return build_file(model_sha256=model_sha256, model_file="m.gguf", template_version=template_version,
+                      template_sha256=template_sha256, fits=[(kind, entry)], fit={}, policy=policy)
+
+
+def served_payload(engine, **options) -> dict:
+    """A file bound to the served model and template (what semif-calibrate writes for it)."""
+    return calibration_payload(engine.sha256, template_version=engine.info["template_version"],
+                               template_sha256=engine.info["template_sha256"], **options)
 
 
 def test_the_version_is_derived_from_the_fitted_content():
@@ -166,7 +178,7 @@ def test_a_file_for_another_model_is_refused_with_both_hashes_in_the_message(tmp
     [
         (lambda p: p.pop("format"), "not a SemIf calibration file"),
         (lambda p: p.update(format_version=99), "format_version"),
-        (lambda p: p["scorings"]["label"]["global"].update(temperature=0), "invalid temperature"),
+        (lambda p: p["fits"][0]["global"].update(temperature=0), "invalid temperature"),
         (lambda p: p.update(policy={"min_probability": 3}), "policy.min_probability"),
     ],
 )
@@ -181,12 +193,14 @@ def test_malformed_files_are_refused(tmp_path, mutate, message):
 
 def test_per_decision_temperature_wins_over_global_and_scoring_without_fit_is_untouched():
     cal = Calibration.from_dict(calibration_payload("a" * 64, temperature=2.0, per_decision={"route": {"temperature": 0.5, "n": 6}}))
-    probs, record = cal.calibrate([1.0, 0.0], scoring="label", decision_id="route", options_sha256=None)
+    probs, record = cal.calibrate([1.0, 0.0], kind=LABEL, decision_id="route", options_sha256=None)
     assert probs == pytest.approx(softmax([2.0, 0.0]).tolist())
-    assert record == {"version": cal.version, "method": "temperature", "temperature": 0.5, "temperature_source": "decision"}
-    _, record = cal.calibrate([1.0, 0.0], scoring="label", decision_id="other", options_sha256=None)
+    assert record == {"version": cal.version, "method": "temperature", "temperature": 0.5, "temperature_source": "decision",
+                      "fit": {"scoring": "label", "layout": "state_first", "debias": "none"}}
+    _, record = cal.calibrate([1.0, 0.0], kind=LABEL, decision_id="other", options_sha256=None)
     assert (record["temperature"], record["temperature_source"]) == (2.0, "global")
-    assert cal.calibrate([1.0, 0.0], scoring="sequence", decision_id="route", options_sha256=None) is None
+    probs, record = cal.calibrate([1.0, 0.0], kind=FitKind("sequence"), decision_id="route", options_sha256=None)
+    assert probs is None and record["method"] == "none" and "sequence/state_first/none" in record["reason"]
 
 
 SINGLE = {"decision": {"id": "route", "state": "My laptop screen cracked.", "question": "Which team?",
@@ -199,8 +213,8 @@ def test_the_adapter_applies_the_temperature_keeps_raw_logits_and_reports_the_ca
     from semif.serving.app import create_app
     from serving import make_settings
 
-    cal = Calibration.from_dict(calibration_payload(engine.sha256, temperature=3.0, per_decision={"route": {"temperature": 0.5, "n": 6}},
-                                                    policy={"min_probability": 0.99, "fallback": "escalate"}))
+    cal = Calibration.from_dict(served_payload(engine, temperature=3.0, per_decision={"route": {"temperature": 0.5, "n": 6}},
+                                               policy={"min_probability": 0.99, "fallback": "escalate"}))
     app = create_app(make_settings(model_path), engine)
     app.state.service.decision_postprocessor.configure(cal)
     with TestClient(app) as http:
@@ -208,7 +222,8 @@ def test_the_adapter_applies_the_temperature_keeps_raw_logits_and_reports_the_ca
         other = http.post("/invocations", json={"decision": {**SINGLE["decision"], "id": "unknown"}}).json()
         overridden = http.post("/invocations", json={**SINGLE, "policy": {"min_probability": 0.0}}).json()
     assert body["probabilities"] == pytest.approx(softmax(body["option_logits"], 0.5).tolist(), abs=1e-12)
-    assert body["calibration"] == {"version": cal.version, "method": "temperature", "temperature": 0.5, "temperature_source": "decision"}
+    assert body["calibration"] == {"version": cal.version, "method": "temperature", "temperature": 0.5, "temperature_source": "decision",
+                                   "fit": {"scoring": "label", "layout": "state_first", "debias": "none"}}
     assert other["probabilities"] == pytest.approx(softmax(other["option_logits"], 3.0).tolist(), abs=1e-12)
     assert body["probabilities"] != pytest.approx(softmax(body["option_logits"]).tolist(), abs=1e-6)  # logits stay raw
     top = max(body["probabilities"])
@@ -231,7 +246,7 @@ def test_serve_loads_a_matching_calibration_file_and_reports_it(start_serve, tmp
     import httpx
 
     path = tmp_path / "cal.json"
-    payload = calibration_payload(engine.sha256, temperature=4.0)
+    payload = served_payload(engine, temperature=4.0)
     path.write_text(json.dumps(payload))
     proc = start_serve(SEMIF_CALIBRATION_PATH=str(path))
     body = httpx.post(proc.base_url + "/invocations", json=SINGLE, timeout=60).json()

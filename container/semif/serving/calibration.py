@@ -5,13 +5,19 @@ Pure numpy; the adapter imports it to apply a calibration file, the CLIs to fit 
 
 Calibration file (JSON, written by `semif-calibrate`, loaded by the adapter from `SEMIF_CALIBRATION_PATH`):
 
-    {"format": "semif-calibration", "format_version": 1, "version": "<12 hex of the fitted content>",
-     "model_sha256": "...", "model_file": "...", "template_version": "...",
-     "scorings": {"label": {"global": {"temperature": 1.7, "n": 29},
-                            "per_decision": {"route": {"temperature": 1.2, "n": 6}, ...},
-                            "contextual": {"route": {"options_sha256": "...", "log_prior": [...]}}}},
+    {"format": "semif-calibration", "format_version": 2, "version": "<12 hex of the fitted content>",
+     "model_sha256": "...", "model_file": "...",
+     "template_version": "semif-prompt-v2", "template_sha256": "...",   (the served prompt template)
+     "fits": [{"scoring": "label", "layout": "state_first", "debias": "none",   (what the logits were)
+               "global": {"temperature": 1.7, "n": 29},
+               "per_decision": {"route": {"temperature": 1.2, "n": 6}, ...},
+               "contextual": {"route": {"options_sha256": "...", "log_prior": [...]}},
+               "contextual_temperatures": {"global": {...}, "per_decision": {...}}}, ...],
      "policy": {"min_probability": 0.7, ...} (optional: the adapter's default abstention policy),
      "fit": {... cross-validated report ...}}
+
+A fit applies only to answers whose scoring, layout and debiasing are the ones it was measured on;
+any other answer is served uncalibrated, and its record says so (Calibration.calibrate).
 """
 
 from __future__ import annotations
@@ -20,14 +26,19 @@ import hashlib
 import json
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .plan import DEBIAS_MODES
+from .prompt import DEFAULT_LAYOUT, LAYOUTS
+
 FORMAT = "semif-calibration"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+SCORINGS = ("label", "sequence")
 ECE_BINS = 15
 BETA_MIN, BETA_MAX = 1e-3, 100.0  # inverse temperature range: T in [0.01, 1000]
 
@@ -243,20 +254,40 @@ def cross_validate(cases: Sequence[Case], *, k: int = 5, seed: int = 0, min_per_
 # ---- the calibration file -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class FitKind:
+    """What kind of logits a fit was measured on. A temperature fitted on one kind means nothing on
+    another: label logits and sequence scoring's mean log-probabilities differ in scale, the options-first
+    layout shifts the logits, and order debiasing averages two orders' log-probabilities."""
+
+    scoring: str
+    layout: str = DEFAULT_LAYOUT
+    debias: str = "none"
+
+    def __str__(self) -> str:
+        return f"{self.scoring}/{self.layout}/{self.debias}"
+
+    def as_dict(self) -> dict:
+        return {"scoring": self.scoring, "layout": self.layout, "debias": self.debias}
+
+
 def content_version(payload: dict) -> str:
-    """12 hex digits of the fitted content: the same fit gives the same version."""
-    fitted = {k: payload[k] for k in ("model_sha256", "scorings", "policy") if k in payload}
+    """12 hex digits of the fitted content and what it is bound to: the same fit gives the same version."""
+    fitted = {k: payload[k] for k in ("model_sha256", "template_version", "template_sha256", "fits", "policy") if k in payload}
     return hashlib.sha256(json.dumps(fitted, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build_file(*, model_sha256: str, model_file: str, template_version: str, scorings: dict, fit: dict, policy: Optional[dict] = None) -> dict:
+def build_file(*, model_sha256: str, model_file: str, template_version: str, template_sha256: str,
+               fits: Sequence[tuple[FitKind, dict]], fit: dict, policy: Optional[dict] = None) -> dict:
+    """The file's payload. ``fits``: (what it was measured on, its temperatures and priors) per fit."""
     payload: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "model_sha256": model_sha256,
         "model_file": model_file,
         "template_version": template_version,
-        "scorings": scorings,
+        "template_sha256": template_sha256,
+        "fits": [{**kind.as_dict(), **entry} for kind, entry in fits],
     }
     if policy is not None:
         payload["policy"] = policy
@@ -265,13 +296,54 @@ def build_file(*, model_sha256: str, model_file: str, template_version: str, sco
     return payload
 
 
+def _is_temperature(t: Any) -> bool:
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+
+
+def _check_table(table: Any, where: str) -> None:
+    """A temperature table: {"global": {"temperature"}, "per_decision": {key: {"temperature"}}}."""
+    if not isinstance(table, dict) or not isinstance(table.get("global"), dict):
+        raise CalibrationError(f"{where}: needs a \"global\" temperature")
+    per_decision = table.get("per_decision", {})
+    if not isinstance(per_decision, dict) or not all(isinstance(e, dict) for e in per_decision.values()):
+        raise CalibrationError(f"{where}.per_decision: must map decision ids to {{\"temperature\": …}}")
+    for name, entry in [("global", table["global"])] + [(f"per_decision.{k}", e) for k, e in per_decision.items()]:
+        if not _is_temperature(entry.get("temperature")):
+            raise CalibrationError(f"{where}.{name} has an invalid temperature {entry.get('temperature')!r}")
+
+
+def _check_fit(raw: Any, index: int, source: str) -> tuple[FitKind, dict]:
+    where = f"{source}: fits[{index}]"
+    if not isinstance(raw, dict):
+        raise CalibrationError(f"{where}: must be an object")
+    for name, allowed in (("scoring", SCORINGS), ("layout", LAYOUTS), ("debias", DEBIAS_MODES)):
+        if raw.get(name) not in allowed:
+            raise CalibrationError(f"{where}.{name} is {raw.get(name)!r}; must be one of {', '.join(allowed)}")
+    kind = FitKind(raw["scoring"], raw["layout"], raw["debias"])
+    _check_table(raw, where)
+    contextual = raw.get("contextual", {})
+    if not isinstance(contextual, dict):
+        raise CalibrationError(f"{where}.contextual: must map decision ids to priors")
+    for key, prior in contextual.items():
+        values = prior.get("log_prior") if isinstance(prior, dict) else None
+        if (not isinstance(prior, dict) or not isinstance(prior.get("options_sha256"), str) or not isinstance(values, list)
+                or not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)):
+            raise CalibrationError(f"{where}.contextual.{key}: needs options_sha256 and a list of finite log_prior values")
+    if contextual:
+        _check_table(raw.get("contextual_temperatures"), f"{where}.contextual_temperatures")
+    return kind, {k: v for k, v in raw.items() if k not in ("scoring", "layout", "debias")}
+
+
 @dataclass
 class Calibration:
-    """A loaded calibration file, checked against the served model."""
+    """A loaded calibration file. Bound to the model and prompt template it was fitted with (checked at
+    load: check_served) and, fit by fit, to the kind of logits each was measured on (FitKind)."""
 
     version: str
     model_sha256: str
-    scorings: dict
+    template_version: str
+    template_sha256: str
+    fits: dict[FitKind, dict]
     policy: Optional[dict] = None
     path: Optional[str] = None
     raw: dict = field(default_factory=dict)
@@ -280,19 +352,28 @@ class Calibration:
     def from_dict(cls, payload: Any, *, source: str = "<calibration>") -> "Calibration":
         if not isinstance(payload, dict) or payload.get("format") != FORMAT:
             raise CalibrationError(f"{source}: not a SemIf calibration file (missing \"format\": \"{FORMAT}\")")
+        if payload.get("format_version") == 1:
+            raise CalibrationError(
+                f"{source}: format_version 1 does not say which prompt template, layout or debiasing its temperatures "
+                f"were fitted on, so it cannot be checked against this server; refit it with semif-calibrate (format_version {FORMAT_VERSION})"
+            )
         if payload.get("format_version") != FORMAT_VERSION:
             raise CalibrationError(f"{source}: format_version {payload.get('format_version')!r} is not supported (want {FORMAT_VERSION})")
-        sha = payload.get("model_sha256")
-        if not isinstance(sha, str) or len(sha) != 64:
-            raise CalibrationError(f"{source}: model_sha256 is missing or not a sha256")
-        scorings = payload.get("scorings")
-        if not isinstance(scorings, dict) or not scorings:
-            raise CalibrationError(f"{source}: no fitted scorings")
-        for scoring, fitted in scorings.items():
-            temps = [fitted.get("global", {}).get("temperature")] + [e.get("temperature") for e in fitted.get("per_decision", {}).values()]
-            for t in temps:
-                if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
-                    raise CalibrationError(f"{source}: scorings.{scoring} has an invalid temperature {t!r}")
+        for name in ("model_sha256", "template_sha256"):
+            value = payload.get(name)
+            if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{64}", value):
+                raise CalibrationError(f"{source}: {name} is missing or not a sha256")
+        if not isinstance(payload.get("template_version"), str) or not payload["template_version"]:
+            raise CalibrationError(f"{source}: template_version is missing")
+        raw_fits = payload.get("fits")
+        if not isinstance(raw_fits, list) or not raw_fits:
+            raise CalibrationError(f"{source}: no fits (\"fits\": [{{\"scoring\", \"layout\", \"debias\", \"global\", …}}])")
+        fits: dict[FitKind, dict] = {}
+        for index, raw in enumerate(raw_fits):
+            kind, entry = _check_fit(raw, index, source)
+            if kind in fits:
+                raise CalibrationError(f"{source}: fits[{index}]: a second fit for {kind}")
+            fits[kind] = entry
         policy = payload.get("policy")
         if policy is not None:
             from .policy import Policy, PolicyError
@@ -301,41 +382,69 @@ class Calibration:
                 Policy.from_mapping(policy)
             except PolicyError as exc:
                 raise CalibrationError(f"{source}: {exc.field}: {exc}") from None
-        return cls(version=str(payload.get("version") or content_version(payload)), model_sha256=sha, scorings=scorings,
+        return cls(version=str(payload.get("version") or content_version(payload)), model_sha256=payload["model_sha256"],
+                   template_version=payload["template_version"], template_sha256=payload["template_sha256"], fits=fits,
                    policy=policy, path=source, raw=payload)
 
     @classmethod
-    def load(cls, path: str | Path, *, model_sha256: Optional[str] = None) -> "Calibration":
+    def load(cls, path: str | Path, *, model_sha256: Optional[str] = None, served: Optional[Mapping[str, Any]] = None) -> "Calibration":
+        """Read and validate a file. ``model_sha256``: refuse a file fitted for another model (checked
+        before the model loads); ``served``: the engine's ``info``, for the template too (check_served)."""
         path = Path(path)
         try:
             payload = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise CalibrationError(f"{path}: cannot read calibration file: {exc}") from None
         calibration = cls.from_dict(payload, source=str(path))
-        if model_sha256 is not None and calibration.model_sha256 != model_sha256:
-            raise CalibrationError(
-                f"{path} was fitted for model sha256 {calibration.model_sha256[:12]}…, but the served model is "
-                f"{model_sha256[:12]}…; refit it with `semif-calibrate --model <this model>` or unset SEMIF_CALIBRATION_PATH"
-            )
+        if model_sha256 is not None:
+            calibration._check_model(model_sha256)
+        if served is not None:
+            calibration.check_served(served)
         return calibration
 
-    def calibrate(self, logits: Sequence[float], *, scoring: str, decision_id: Optional[str], options_sha256: Optional[str]) -> Optional[tuple[list[float], dict]]:
-        """(calibrated probabilities, record for the result), or None when the file has no fit for
-        ``scoring``. Contextual calibration applies only to the option set it was measured on."""
-        fitted = self.scorings.get(scoring)
+    def _check_model(self, model_sha256: str) -> None:
+        if self.model_sha256 != model_sha256:
+            raise CalibrationError(
+                f"{self.path} was fitted for model sha256 {self.model_sha256[:12]}…, but the served model is "
+                f"{model_sha256[:12]}…; refit it with `semif-calibrate --model <this model>` or unset SEMIF_CALIBRATION_PATH"
+            )
+
+    def check_served(self, info: Mapping[str, Any]) -> None:
+        """Refuse a file whose model or prompt template is not the served one (``info``: Engine.info).
+        A template change moves every logit, so temperatures fitted under another template do not apply."""
+        self._check_model(str(info.get("sha256")))
+        served_version, served_sha = info.get("template_version"), info.get("template_sha256")
+        if (self.template_version, self.template_sha256) != (served_version, served_sha):
+            raise CalibrationError(
+                f"{self.path} was fitted with prompt template {self.template_version} (sha256 {self.template_sha256[:12]}…), "
+                f"but this server renders {served_version} (sha256 {str(served_sha)[:12]}…); refit it with "
+                "`semif-calibrate` against this server or unset SEMIF_CALIBRATION_PATH"
+            )
+
+    def fit_for(self, kind: FitKind) -> Optional[dict]:
+        return self.fits.get(kind)
+
+    def calibrate(self, logits: Sequence[float], *, kind: FitKind, decision_id: Optional[str],
+                  options_sha256: Optional[str]) -> tuple[Optional[list[float]], dict]:
+        """(calibrated probabilities, or None when the file has no fit for ``kind``; the record the answer
+        carries either way). Contextual calibration applies only to the option set it was measured on."""
+        fitted = self.fits.get(kind)
         if fitted is None:
-            return None
+            known = ", ".join(str(k) for k in self.fits)
+            return None, {"version": self.version, "method": "none", "fit": None,
+                          "reason": f"no fit for {kind} (scoring/layout/debias); this file has {known}"}
         values = list(logits)
         method = "temperature"
         contextual = fitted.get("contextual", {}).get(decision_id) if decision_id is not None else None
         if contextual is not None and contextual.get("options_sha256") == options_sha256 and len(contextual["log_prior"]) == len(values):
             values = apply_contextual(values, contextual["log_prior"])
             method = "contextual+temperature"
-            table = fitted.get("contextual_temperatures", fitted)
+            table = fitted["contextual_temperatures"]
         else:
             table = fitted
         temperature, source = temperature_for(table, decision_id)
-        record = {"version": self.version, "method": method, "temperature": temperature, "temperature_source": source}
+        record = {"version": self.version, "method": method, "temperature": temperature, "temperature_source": source,
+                  "fit": kind.as_dict()}
         return softmax(values, temperature).tolist(), record
 
 

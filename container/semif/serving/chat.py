@@ -169,6 +169,19 @@ class _Context:
         return False
 
 
+def require_chat_template(engine) -> None:
+    """Chat needs the GGUF's own chat template. Without one, llama-cpp-python would format the turns as
+    llama-2 (`[INST]`) whatever the model was trained on, and answer plausibly but wrongly: refuse instead."""
+    if not engine.info.get("chat_template"):
+        raise RequestError(
+            501, "chat_unsupported",
+            f"the served model ({engine.info.get('file')}) has no chat template (GGUF key tokenizer.chat_template), "
+            "so chat completions are not offered; decisions still are. Add the template the model was trained "
+            "with to the GGUF (gguf-new-metadata --chat-template-file) or serve a model that has one",
+            None,
+        )
+
+
 def _map_llama_error(exc: ValueError) -> RequestError:
     message = str(exc)
     if "exceed context window" in message:
@@ -266,6 +279,7 @@ async def handle(service, request, body: Any = None) -> Any:
         return JSONResponse(error_body(error), status_code=error.status, headers={**headers, **(extra_headers or {})})
 
     try:
+        require_chat_template(engine)  # before the body is read: nothing to queue for
         if body is None:
             body = await service.read_body(request)
         chat = parse(body, n_ctx=engine.n_ctx)

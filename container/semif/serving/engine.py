@@ -128,8 +128,11 @@ def _tokens_digest(parts: Sequence[Sequence[int]], digest=None):
 
 
 def _logsumexp(values: Sequence[float]) -> float:
+    """log Σ exp(values); -inf when every value is -inf (the model rules them all out), never NaN for that."""
     array = np.asarray(values, dtype=np.float64)
     peak = array.max()
+    if not np.isfinite(peak):
+        return float(peak)  # -inf: all ruled out; +inf or NaN: passed on for _label_logits to refuse
     return float(peak + np.log(np.exp(array - peak).sum()))
 
 
@@ -145,13 +148,23 @@ def _tokens_key(prefix: Sequence[Sequence[int]], suffix: Sequence[int], label_id
     return _tokens_digest((suffix, label_ids), _tokens_digest(prefix)).digest()
 
 
+# The logit reported for a label the model rules out (-inf in every variant): finite, so that JSON can
+# carry it, and far below any real logit, so its probability is exactly 0 (as sequence scoring's floor).
+RULED_OUT_LOGIT = -1e30
+
+
 def _label_logits(row: np.ndarray, variants: Sequence[Sequence[int]]) -> tuple[list[float], float]:
     """(one logit per label: the log-sum-exp of its variants' logits, label mass: the share of the
-    whole next-token distribution on all the labels' tokens; one log-sum-exp over the vocabulary row)."""
+    whole next-token distribution on all the labels' tokens; one log-sum-exp over the vocabulary row).
+    A label at -inf in every variant gets RULED_OUT_LOGIT; when every label is, the mass is 0 and the
+    probabilities come out uniform. NaN or +inf logits mean a broken model: an EngineError, not an answer."""
     logits = [_logsumexp([float(row[t]) for t in v]) if len(v) > 1 else float(row[v[0]]) for v in variants]
     total = _logsumexp(row)
+    if any(math.isnan(x) or x == math.inf for x in logits) or not math.isfinite(total):
+        raise EngineError(f"the model produced non-finite logits at the answer position (vocabulary log-sum-exp {total}, "
+                          f"label logits {[round(x, 3) for x in logits]}); this GGUF cannot be scored")
     mass = float(np.exp(_logsumexp(logits) - total)) if logits else 0.0
-    return logits, min(1.0, mass)
+    return [x if x != -math.inf else RULED_OUT_LOGIT for x in logits], min(1.0, mass)
 
 
 DEFAULT_N_CTX_CAP = 8192  # what SEMIF_N_CTX defaults to at most: System One's 255 described options need ~4.7k
@@ -330,7 +343,8 @@ class Engine:
         self.end_of_turn_token = self._end_of_turn_token()
         # A GGUF made for decisions brings its own template, labels and temperatures (semif/serving/native.py).
         self.native: Optional[NativeDecision] = read_native_decision(
-            metadata, lambda text, special, add_bos=False: self._tokenize(text, special=special, add_bos=add_bos)
+            metadata, lambda text, special, add_bos=False: self._tokenize(text, special=special, add_bos=add_bos),
+            n_vocab=self.n_vocab,
         )
         if self.native is not None:
             self.default_scoring = "label"  # a native model is read at its labels

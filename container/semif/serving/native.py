@@ -213,15 +213,16 @@ def _positive(key: str, raw: str) -> float:
     return value
 
 
-def read_native_decision(metadata: Mapping[str, str], tokenize: Tokenize) -> Optional[NativeDecision]:
+def read_native_decision(metadata: Mapping[str, str], tokenize: Tokenize, *, n_vocab: Optional[int] = None) -> Optional[NativeDecision]:
     """The GGUF's own decision setup, or None when it carries none. Raises NativeDecisionError for
-    decision metadata that cannot be honoured (better no model than silently wrong answers)."""
+    decision metadata that cannot be honoured (better no model than silently wrong answers). ``n_vocab``:
+    the model's vocabulary size, which every label token id must be below."""
     arch = metadata.get("general.architecture", "")
     upstream_type = metadata.get(f"{arch}.decision.type") if arch else None
     if upstream_type is not None:
         return _read_upstream(metadata, arch, upstream_type, tokenize)
     if "decision.prompt_template" in metadata or "decision.tokens" in metadata:
-        return _read_jev(metadata)
+        return _read_jev(metadata, n_vocab)
     return None
 
 
@@ -267,7 +268,7 @@ def _read_upstream(metadata: Mapping[str, str], arch: str, kind: str, tokenize: 
     return native
 
 
-def _read_jev(metadata: Mapping[str, str]) -> NativeDecision:
+def _read_jev(metadata: Mapping[str, str], n_vocab: Optional[int]) -> NativeDecision:
     template = metadata.get("decision.prompt_template")
     if not template:
         raise NativeDecisionError("model metadata must define a string decision.prompt_template")
@@ -289,6 +290,17 @@ def _read_jev(metadata: Mapping[str, str]) -> NativeDecision:
         isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in token_map.items()
     ):
         raise NativeDecisionError("decision.tokens must be a JSON object mapping labels to token ids")
+    if n_vocab is not None:
+        outside = {label: token for label, token in token_map.items() if token >= n_vocab}
+        if outside:
+            label, token = next(iter(outside.items()))
+            raise NativeDecisionError(f"decision.tokens: label {label!r} has token id {token}, beyond the vocabulary "
+                                      f"({n_vocab} tokens: ids 0 to {n_vocab - 1})")
+    by_token: dict[int, str] = {}
+    for label, token in token_map.items():
+        if token in by_token:  # two outcomes read from one logit would always score alike
+            raise NativeDecisionError(f"decision.tokens: labels {by_token[token]!r} and {label!r} have the same token id {token}")
+        by_token[token] = label
     temperatures = {}
     if "decision.temperature" in metadata:
         temperatures[""] = _positive("decision.temperature", metadata["decision.temperature"])

@@ -386,8 +386,9 @@ def build_plan(
     if scoring == "label":
         for question, field, name in zip(questions, fields, names):
             label_set = labels.for_question(question)
-            if question.kind != "binary" and len(question.outcomes) > len(label_set.texts):
-                kind = "levels" if question.kind == "scale" else "options"
+            if len(question.outcomes) > len(label_set.texts):
+                # A binary question needs two labels too: Yes/No, else the first two letters (prompt.py).
+                kind = {"scale": "levels", "binary": "outcomes (yes/no)"}.get(question.kind, "options")
                 raise LabelError(
                     f"question {name!r}: label scoring supports at most {len(label_set.texts)} {kind} with this "
                     f"model (got {len(question.outcomes)}); use scoring 'sequence'",
@@ -536,6 +537,11 @@ def build_plan(
     if injection_check:
         # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
         binary = labels.binary
+        if len(binary.texts) < 2:
+            raise LabelError(
+                f"the injection check needs two single-token yes/no labels; this model has {len(binary.texts)}",
+                field="injection_check",
+            )
         check_prefix: Optional[_Prefix] = None
         check_before, check_prefix_len, check_moved = before_suffix, prefix_len, main_prefix.between
         if layout == "state_first":

@@ -9,8 +9,8 @@ share of the model's whole next-token distribution on the option labels) is at l
 (``"abstain"``, ``"escalate"``, an option id, …) means the model **abstains** and the caller takes the
 named fallback path instead of the model's choice. Knows nothing of HTTP or llama.cpp.
 
-``max_injection`` (optional, 0..1): a result whose ``injection_suspected`` (p(yes) of the injection check,
-issue #11 §4) exceeds it is not accepted either. A policy with ``max_injection`` turns the injection check
+``max_injection`` (optional, 0..1): a result whose ``injection_suspected`` (p(yes) of the injection check
+on the same state) exceeds it is not accepted either. A policy with ``max_injection`` turns the injection check
 on for the request (``needs_injection_check``); a result without a check value fails it (fail safe).
 """
 
@@ -90,12 +90,13 @@ def top_and_margin(probabilities: Sequence[float]) -> tuple[int, float, float]:
 
 
 def decide(probabilities: Sequence[float], policy: Policy, injection_suspected: Optional[float] = None,
-           label_mass: Optional[float] = None) -> Verdict:
+           label_mass: Optional[float] = None, unmet: Sequence[str] = ()) -> Verdict:
     """The action for one distribution. Thresholds are inclusive: p == min_probability is accepted, and
     injection_suspected == max_injection too. ``label_mass`` (label scoring only) is checked against
-    ``min_label_mass``; None skips that check."""
+    ``min_label_mass``; None skips that check. ``unmet``: conditions the caller found unmet (each keeps
+    the result from being accepted, with that reason)."""
     _, p_top, margin = top_and_margin(probabilities)
-    failures = []
+    failures = list(unmet)
     # A tolerance of 1e-9 keeps float noise from failing an exact threshold (0.6 − 0.4 = 0.19999999999999996).
     if p_top < policy.min_probability - EPSILON:
         failures.append(f"probability {p_top:.3f} < min_probability {policy.min_probability:g}")
@@ -134,35 +135,51 @@ class DecisionPostprocessor:
     """Runs after scoring (``DecisionService.postprocessors``): applies the calibration file to each
     distribution's ``option_logits`` (raw logits stay as they are) and the abstention policy of the
     request, else of the calibration file. Sets ``calibration`` and ``action``/``action_reason``/
-    ``action_fallback`` on each distribution for the contract to render and the log line to count."""
+    ``action_fallback`` on each distribution for the contract to render and the log line to count.
+
+    A fit applies only to the kind of logits it was measured on (scoring, layout, debias: FitKind). An
+    answer of another kind keeps its raw probabilities, and its ``calibration`` record says why. The
+    file's default policy was chosen for calibrated probabilities, so it never accepts such an answer:
+    it takes the policy's fallback (review, or abstain). A request's own policy judges what is served."""
 
     def __init__(self, calibration=None, default_policy: Optional[Policy] = None):
         self.calibration = calibration
         self.default_policy = default_policy
+        self.default_policy_is_calibrations = False
 
     def configure(self, calibration) -> None:
         self.calibration = calibration
         if calibration is not None and calibration.policy is not None:
             self.default_policy = Policy.from_mapping(calibration.policy)
+            self.default_policy_is_calibrations = True
 
     def __call__(self, job, result) -> None:
+        from .calibration import FitKind
+
         n = len(result.distributions)
         decision_ids = list(getattr(job, "decision_ids", None) or []) + [None] * n
         option_hashes = list(getattr(job, "options_sha256", None) or []) + [None] * n
         raw_policy = getattr(job, "policy", None)
         policy = Policy.from_mapping(raw_policy) if raw_policy is not None else self.default_policy
+        policy_needs_calibration = raw_policy is None and self.default_policy_is_calibrations
+        layout = getattr(result, "layout", "state_first")
         for dist, decision_id, options_hash in zip(result.distributions, decision_ids, option_hashes):
             dist.calibration = None
+            unmet: list[str] = []
             if self.calibration is not None:
-                calibrated = self.calibration.calibrate(
-                    dist.option_logits, scoring=dist.scoring, decision_id=decision_id, options_sha256=options_hash
+                kind = FitKind(dist.scoring, layout, getattr(dist, "debias", "none") or "none")
+                probabilities, dist.calibration = self.calibration.calibrate(
+                    dist.option_logits, kind=kind, decision_id=decision_id, options_sha256=options_hash
                 )
-                if calibrated is not None:
-                    dist.probabilities, dist.calibration = calibrated
+                if probabilities is not None:
+                    dist.probabilities = probabilities
+                elif policy_needs_calibration:
+                    unmet.append(f"uncalibrated: the calibration file's policy judges calibrated answers only, and "
+                                 f"it has no fit for {kind}")
             dist.action = dist.action_reason = dist.action_fallback = None
             if policy is not None:
                 verdict = decide(dist.probabilities, policy, getattr(dist, "injection_suspected", None),
-                                 getattr(dist, "label_mass", None))
+                                 getattr(dist, "label_mass", None), unmet)
                 dist.action, dist.action_reason, dist.action_fallback = verdict.action, verdict.reason, verdict.fallback
 
 

@@ -47,6 +47,12 @@ def build_app(settings: Settings):
         n_seq=settings.n_seq if settings.batching else 1,
     )
     engine.default_debias = settings.debias  # the server default; requests may override it (`debias`)
+    if calibration is not None:
+        try:  # the template is known once the model is loaded (its chat template is part of it)
+            calibration.check_served(engine.info)
+        except CalibrationError:
+            engine.close()
+            raise
     if settings.require_gpu and not (engine.info["gpu_offload"] and engine.n_gpu_layers != 0):
         # Without this, a CUDA initialisation failure would load the model on the CPU and /ping would
         # still answer 200: a "GPU" endpoint quietly serving from a few vCPUs.
@@ -73,8 +79,14 @@ def build_app(settings: Settings):
     app = create_app(settings, engine)
     if calibration is not None:
         app.state.service.decision_postprocessor.configure(calibration)
+        from .calibration import FitKind
+
+        defaults = FitKind(engine.default_scoring, settings.layout, settings.debias)
         log.info("calibration loaded", extra={"calibration_version": calibration.version, "path": str(settings.calibration_path),
-                                              "scorings": sorted(calibration.scorings), "policy": calibration.policy})
+                                              "fits": [str(kind) for kind in calibration.fits], "policy": calibration.policy})
+        if calibration.fit_for(defaults) is None:
+            log.warning("calibration has no fit for the server's defaults: those answers are served uncalibrated",
+                        extra={"defaults": str(defaults), "fits": [str(kind) for kind in calibration.fits]})
     return app
 
 

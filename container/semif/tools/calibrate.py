@@ -3,7 +3,11 @@ minimising NLL, report k-fold cross-validated NLL and ECE before/after, and writ
 the adapter loads from `SEMIF_CALIBRATION_PATH`.
 
     semif-calibrate data.jsonl --model model.gguf --out calibration.json [--scoring label,sequence]
+        [--layout state_first,options_first] [--debias none,reverse]
     semif-calibrate data.jsonl --url http://127.0.0.1:8080 --out calibration.json
+
+One fit per scoring × layout × debias asked for: each is bound to the kind of logits it was measured on,
+and the file to the model and prompt template that produced them (the adapter checks both).
 
 Contextual calibration (Zhao et al. 2021) is measured too; with `--contextual auto` (the default) it goes
 into the file only where cross-validation shows it lowers the held-out NLL further than temperature alone.
@@ -18,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
-from ..serving.calibration import Case, build_file, cross_validate, fit_temperatures
+from ..serving.calibration import Case, FitKind, build_file, cross_validate, fit_temperatures
 from .evaluate import (
     _fmt,
     add_target_arguments,
@@ -30,24 +34,30 @@ from .evaluate import (
     parse_scorings,
     prior_key,
 )
+from ..serving.plan import DEBIAS_MODES
 from ..serving.policy import Policy
-from ..serving.prompt import TEMPLATE_VERSION, options_sha256
+from ..serving.prompt import LAYOUTS, OPTIONS_FIRST_SUFFIX, options_sha256
 
 
-def fit_scoring(target, rows: list[dict], scoring: str, *, folds: int, seed: int, min_per_decision: int, contextual: str,
-                progress=lambda: None) -> tuple[dict, dict]:
-    """(the file's entry for ``scoring``, the cross-validation report)."""
+def fit_kind(target, rows: list[dict], kind: FitKind, *, folds: int, seed: int, min_per_decision: int, contextual: str,
+             progress=lambda: None) -> tuple[dict, dict]:
+    """(the file's entry for ``kind``, the cross-validation report)."""
     cases, case_rows = [], []
+    scoring, options = kind.scoring, {"layout": kind.layout, "debias": kind.debias}
     for row in rows:
-        outcome = target.decide(row, scoring)
+        outcome = target.decide(row, scoring, **options)
         progress()
+        if outcome.valid and (outcome.layout, outcome.debias) != (kind.layout, kind.debias):
+            # A target that ignores what it was asked (an older server) must not yield a fit under the wrong kind.
+            raise SystemExit(f"semif-calibrate: asked for layout {kind.layout}, debias {kind.debias}; the target "
+                             f"answered with layout {outcome.layout}, debias {outcome.debias}")
         if outcome.valid and outcome.option_logits is not None:
             answer = [o["id"] for o in row["options"]].index(row["answer"])
             cases.append(Case(key=decision_key(row), answer=answer, logits=list(outcome.option_logits)))
             case_rows.append(row)
     if len(cases) < 2:
-        raise SystemExit(f"semif-calibrate: only {len(cases)} valid {scoring} answers; need at least 2")
-    priors = content_free_priors(target, case_rows, scoring) if contextual != "off" else {}
+        raise SystemExit(f"semif-calibrate: only {len(cases)} valid {kind} answers; need at least 2")
+    priors = content_free_priors(target, case_rows, scoring, **options) if contextual != "off" else {}
     for case, row in zip(cases, case_rows):
         case.log_prior = priors.get(prior_key(row))
     cv = cross_validate(cases, k=folds, seed=seed, min_per_decision=min_per_decision)
@@ -75,6 +85,23 @@ def _one_question(key: str, rows: list[dict]) -> bool:
     return len({r["question"] for r in rows if decision_key(r) == key}) == 1
 
 
+def parse_choices(raw: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    values = tuple(dict.fromkeys(v.strip() for v in raw.split(",") if v.strip()))
+    for value in values:
+        if value not in allowed:
+            raise SystemExit(f"semif-calibrate: {flag}: {value!r} is not one of {', '.join(allowed)}")
+    if not values:
+        raise SystemExit(f"semif-calibrate: {flag}: give at least one of {', '.join(allowed)}")
+    return values
+
+
+def base_template_version(version: str, layout: str) -> str:
+    """The server's template version from a plan's (an options-first plan's ends in "+options-first")."""
+    if layout == "options_first" and version.endswith(OPTIONS_FIRST_SUFFIX):
+        return version[: -len(OPTIONS_FIRST_SUFFIX)]
+    return version
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="semif-calibrate", description="Fit a SemIf calibration file on labeled data.")
     add_target_arguments(parser)
@@ -82,6 +109,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--contextual", choices=["auto", "on", "off"], default="auto",
                         help="contextual calibration: where cross-validation shows it helps (auto), always, or never")
     parser.add_argument("--policy", help="default abstention policy to store in the file (JSON)")
+    parser.add_argument("--layout", default="state_first",
+                        help="prompt layout(s) to fit, comma-separated: state_first, options_first (default: state_first)")
+    parser.add_argument("--debias", default="none", help="order debiasing mode(s) to fit, comma-separated: none, reverse (default: none)")
     args = parser.parse_args(argv)
     if args.no_contextual:
         args.contextual = "off"
@@ -99,36 +129,48 @@ def main(argv: Optional[list[str]] = None) -> int:
             console.print(f"semif-calibrate: --policy: {exc}")
             return 2
     rows = load_rows(args.data, args.limit)
-    scorings = parse_scorings(args.scoring)
+    kinds = [FitKind(scoring, layout, debias) for scoring in parse_scorings(args.scoring)
+             for layout in parse_choices(args.layout, LAYOUTS, "--layout")
+             for debias in parse_choices(args.debias, DEBIAS_MODES, "--debias")]
     target = make_target(args)
     try:
-        fitted, reports = {}, {}
+        fitted: dict[FitKind, dict] = {}
+        reports: dict[str, dict] = {}
+        templates: set[tuple[str, str]] = set()
         with Progress(console=console) as bar:
-            for scoring in scorings:
-                task = bar.add_task(f"scoring ({scoring})", total=len(rows))
-                fitted[scoring], reports[scoring] = fit_scoring(
-                    target, rows, scoring, folds=args.folds, seed=args.seed, min_per_decision=args.min_per_decision,
+            for kind in kinds:
+                task = bar.add_task(f"fit {kind}", total=len(rows))
+                fitted[kind], reports[str(kind)] = fit_kind(
+                    target, rows, kind, folds=args.folds, seed=args.seed, min_per_decision=args.min_per_decision,
                     contextual=args.contextual, progress=lambda: bar.advance(task))
+                described = target.describe()
+                templates.add((base_template_version(described.get("template_version") or "", kind.layout),
+                               described.get("template_sha256") or ""))
         record = target.describe()
     finally:
         target.close()
     if not record.get("model_sha256"):
         console.print("semif-calibrate: the target did not report its model sha256")
         return 3
+    if len(templates) != 1 or not all(next(iter(templates))):
+        console.print(f"semif-calibrate: the target did not report one prompt template (version and sha256): {sorted(templates)}")
+        return 3
+    template_version, template_sha256 = templates.pop()
     payload = build_file(model_sha256=record["model_sha256"], model_file=record.get("model_file") or "",
-                         template_version=record.get("template_version") or TEMPLATE_VERSION, scorings=fitted,
+                         template_version=template_version, template_sha256=template_sha256,
+                         fits=list(fitted.items()),
                          fit={"data_file": args.data, "cross_validation": reports, "target": record}, policy=policy)
     Path(args.out).write_text(json.dumps(payload, indent=2))
 
     out = Console()
-    for scoring, report in reports.items():
-        table = Table(title=f"{scoring} scoring: {report['k']}-fold cross-validation on {report['n']} cases (held-out folds)")
+    for kind, report in zip(fitted, reports.values()):
+        table = Table(title=f"{kind} (scoring/layout/debias): {report['k']}-fold cross-validation on {report['n']} cases (held-out folds)")
         for column in ("method", "accuracy", "NLL", "Brier", "ECE"):
             table.add_column(column, justify="right" if column != "method" else "left")
         for method, m in report["methods"].items():
             table.add_row(method, _fmt(m["accuracy"], pct=True), _fmt(m["nll"]), _fmt(m["brier"]), _fmt(m["ece"]))
         out.print(table)
-        entry = fitted[scoring]
+        entry = fitted[kind]
         per = ", ".join(f"{k} T={v['temperature']:.3f} (n={v['n']})" for k, v in entry["per_decision"].items()) or "none"
         out.print(f"global T={entry['global']['temperature']:.3f}; per decision: {per}; contextual in file: {report['contextual_in_file']}")
     out.print(f"wrote {args.out} (version {payload['version']}, model sha256 {payload['model_sha256'][:12]}…)")

@@ -97,10 +97,15 @@ class SemIfClient:
         return result
 
     def decide(self, state: str, question: str, options: Options, *, id: str = "decision", scoring: Optional[str] = None,
-               policy: Optional[Mapping[str, Any]] = None, return_prompt: bool = False) -> SemIfResult:
+               policy: Optional[Mapping[str, Any]] = None, return_prompt: bool = False, layout: Optional[str] = None,
+               debias: Optional[str] = None) -> SemIfResult:
         body: dict[str, Any] = {"decision": {"id": id, "state": state, "question": question, "options": normalize_options(options)}}
         if scoring:
             body["scoring"] = scoring
+        if layout:
+            body["layout"] = layout
+        if debias:
+            body["debias"] = debias
         if policy is not None:
             body["policy"] = dict(policy)
         if return_prompt:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .. import __version__
-from ..serving.calibration import Case, Calibration, accuracy_coverage, cross_validate, probability_metrics, reliability_bins, softmax
+from ..serving.calibration import Case, Calibration, FitKind, accuracy_coverage, cross_validate, probability_metrics, reliability_bins, softmax
 from ..serving.policy import Policy, decide
 from ..serving.prompt import SYSTEM_TEXT, TEMPLATE_VERSION, Outcome, Question, options_sha256, render_state_block
 
@@ -124,6 +124,9 @@ class CaseOutcome:
     error: Optional[str] = None
     attempts: int = 1
     record: dict = field(default_factory=dict)
+    # What the target reports it ran (the kind of logits a calibration fit is bound to).
+    layout: Optional[str] = None
+    debias: Optional[str] = None
 
     @property
     def valid(self) -> bool:
@@ -174,7 +177,7 @@ class InProcessTarget:
         from ..serving.engine import Engine
 
         engine = Engine(model_path, n_ctx=n_ctx, n_threads=n_threads or os.cpu_count() or 1)
-        calibration = Calibration.load(calibration_path, model_sha256=engine.sha256) if calibration_path else None
+        calibration = Calibration.load(calibration_path, served=engine.info) if calibration_path else None
         return cls(engine, calibration)
 
     def describe(self) -> dict:
@@ -185,24 +188,27 @@ class InProcessTarget:
                 "hardware": info["hardware"], "n_gpu_layers": info["n_gpu_layers"],
                 "calibration_version": self.calibration.version if self.calibration else None}
 
-    def decide(self, row: dict, scoring: str, *, state: Optional[str] = None) -> CaseOutcome:
+    def decide(self, row: dict, scoring: str, *, state: Optional[str] = None, layout: str = "state_first",
+               debias: Optional[str] = None) -> CaseOutcome:
         from ..serving.engine import EngineError
 
         question = Question(row["question"], tuple(Outcome(k, d) for k, d in option_pairs(row)), kind="choice")
         started = time.perf_counter()
         try:
-            result = self.engine.score(row["state"] if state is None else state, [question], scoring=scoring)
+            result = self.engine.score(row["state"] if state is None else state, [question], scoring=scoring, layout=layout,
+                                       debias=debias)
         except EngineError as exc:
             return CaseOutcome(latency_ms=(time.perf_counter() - started) * 1000, error=f"{exc.code}: {exc}")
         latency = (time.perf_counter() - started) * 1000
         dist = result.distributions[0]
         probabilities = list(dist.probabilities)
         if self.calibration is not None:
-            calibrated = self.calibration.calibrate(dist.option_logits, scoring=scoring, decision_id=decision_key(row),
-                                                    options_sha256=options_sha256(option_pairs(row)))
+            calibrated, _ = self.calibration.calibrate(dist.option_logits, kind=FitKind(dist.scoring, result.layout, dist.debias),
+                                                       decision_id=decision_key(row), options_sha256=options_sha256(option_pairs(row)))
             if calibrated is not None:
-                probabilities = calibrated[0]
-        return CaseOutcome(latency_ms=latency, option_logits=list(dist.option_logits), probabilities=probabilities, tokens=result.input_tokens)
+                probabilities = calibrated
+        return CaseOutcome(latency_ms=latency, option_logits=list(dist.option_logits), probabilities=probabilities,
+                           tokens=result.input_tokens, layout=result.layout, debias=dist.debias)
 
     def chat(self, row: dict, max_tokens: int = 16) -> ChatOutcome:
         llm = self.engine.llm
@@ -244,13 +250,14 @@ class RemoteTarget:
             record["endpoint"] = self.endpoint_record
         return record
 
-    def decide(self, row: dict, scoring: str, *, state: Optional[str] = None) -> CaseOutcome:
+    def decide(self, row: dict, scoring: str, *, state: Optional[str] = None, layout: Optional[str] = None,
+               debias: Optional[str] = None) -> CaseOutcome:
         from .client import SemIfError
 
         started = time.perf_counter()
         try:
             result = self.client.decide(row["state"] if state is None else state, row["question"], row["options"],
-                                        id=decision_key(row), scoring=scoring)
+                                        id=decision_key(row), scoring=scoring, layout=layout, debias=debias)
         except SemIfError as exc:
             return CaseOutcome(latency_ms=(time.perf_counter() - started) * 1000, error=f"{exc.status} {exc.code}", attempts=exc.attempts)
         except Exception as exc:  # connection errors after every retry
@@ -269,7 +276,8 @@ class RemoteTarget:
             self.hardware_seen[model["hardware"]] += 1
         return CaseOutcome(latency_ms=latency, option_logits=result.get("option_logits"), probabilities=result.get("probabilities"),
                         tokens=prompt.get("tokens"), attempts=result.attempts,
-                        record={"options_sha256": prompt.get("options_sha256")})
+                        record={"options_sha256": prompt.get("options_sha256")},
+                        layout=prompt.get("layout"), debias=prompt.get("debias"))
 
     def chat(self, row: dict, max_tokens: int = 16) -> ChatOutcome:
         from .client import SemIfError
@@ -419,9 +427,10 @@ def prior_key(row: dict) -> str:
     return hashlib.sha256(json.dumps([row["question"], option_pairs(row)]).encode()).hexdigest()
 
 
-def content_free_priors(target, rows: list[dict], scoring: str) -> dict:
+def content_free_priors(target, rows: list[dict], scoring: str, **prompt_options) -> dict:
     """Contextual calibration (Zhao et al. 2021): each distinct (question, option set)'s mean
-    distribution over content-free states, as log-probabilities."""
+    distribution over content-free states, as log-probabilities. ``prompt_options``: the layout and
+    debiasing the target scores with (as for the cases the prior corrects)."""
     from ..serving.calibration import contextual_log_prior
 
     priors = {}
@@ -429,7 +438,7 @@ def content_free_priors(target, rows: list[dict], scoring: str) -> dict:
         key = prior_key(row)
         if key in priors:
             continue
-        outs = [target.decide(row, scoring, state=s) for s in CONTENT_FREE_STATES]
+        outs = [target.decide(row, scoring, state=s, **prompt_options) for s in CONTENT_FREE_STATES]
         if all(o.valid and o.option_logits is not None for o in outs):
             priors[key] = contextual_log_prior([o.option_logits for o in outs])
     return priors

@@ -233,6 +233,8 @@ def parse(body: Any, limits: Limits) -> Job:
     def render(result: ScoreResult, run: RunContext) -> dict:
         cached = result.cached_tokens
         echoed = {"id": record_id} if record_id is not None else {}
+        calibrations = ([getattr(d, "calibration", None) for d in result.distributions]
+                        if any(getattr(d, "calibration", None) is not None for d in result.distributions) else None)
         return {
             **echoed,
             "answers": [_answer(spec, dist) for (_, spec), dist in zip(parsed, result.distributions)],
@@ -247,11 +249,13 @@ def parse(body: Any, limits: Limits) -> Job:
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": result.input_tokens,
             },
-            # Our metadata, only when the request used an extension or the injection check ran, so that
-            # a plain OpenAI request gets exactly OpenAI's shape.
+            # Our metadata, only when the request used an extension, the injection check ran or a
+            # calibration file is loaded (its probabilities are not the model's), so that a plain OpenAI
+            # request to a plain server gets exactly OpenAI's shape.
             **({"x_semif": {"template_version": result.template_version, "layout": result.layout,
-                            "injection_suspected": result.injection_suspected}}
-               if extended or result.injection_suspected is not None else {}),
+                            "injection_suspected": result.injection_suspected,
+                            **({"calibration": calibrations} if calibrations else {})}}
+               if extended or result.injection_suspected is not None or calibrations else {}),
         }
 
     # No decision_ids: a calibration keyed by question name would make answers depend on the names.

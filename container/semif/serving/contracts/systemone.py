@@ -241,6 +241,9 @@ def parse(body: Any, limits: Limits) -> Job:
                 "evaluated_tokens": result.evaluated_tokens,
                 "debias": result.distributions[0].debias if result.distributions else None,
                 "label_mass": {qid: dist.label_mass for qid, dist in zip(ids, result.distributions)},
+                # With SEMIF_CALIBRATION_PATH: each answer's calibration record (applied, or why not).
+                **({"calibration": {qid: dist.calibration for qid, dist in zip(ids, result.distributions)}}
+                   if any(getattr(d, "calibration", None) is not None for d in result.distributions) else {}),
                 "timing": {"queue_ms": round(run.queue_ms, 3), "compute_ms": round(run.compute_ms, 3),
                            "total_ms": round(run.total_ms, 3)},
             },
