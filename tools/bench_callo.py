@@ -71,6 +71,7 @@ class Reply:
     prompt_tokens: Optional[int] = None  # every prompt token of the request
     evaluated_tokens: Optional[int] = None  # those run through the model for it
     cached_tokens: Optional[int] = None  # those reused from what the context already held
+    generated_tokens: Optional[int] = None  # tokens decoded after the prompt (callo's readout may sample some)
     error: Optional[str] = None
 
 
@@ -115,8 +116,10 @@ class AdapterSide:
         payload = response.json()
         record = payload.get("x_semif") or {}
         self.first_record = self.first_record or record
-        return Reply(ms, choice, probabilities, prompt_tokens=(payload.get("usage") or {}).get("input_tokens"),
-                     evaluated_tokens=record.get("evaluated_tokens"), cached_tokens=record.get("cached_tokens"))
+        usage = payload.get("usage") or {}
+        return Reply(ms, choice, probabilities, prompt_tokens=usage.get("input_tokens"),
+                     evaluated_tokens=record.get("evaluated_tokens"), cached_tokens=record.get("cached_tokens"),
+                     generated_tokens=usage.get("output_tokens"))
 
     def close(self) -> None:
         self.server.close()
@@ -124,13 +127,28 @@ class AdapterSide:
 
 def callo_token_counts(header: Optional[str]) -> tuple[Optional[int], Optional[int], Optional[int]]:
     """(prompt tokens, evaluated, reused) of the question from callo's X-Callo-Timings header: llama-server's own
-    `prompt_n` and `cache_n` for the question's first upstream pass. Nones where the header lacks them."""
+    `prompt_n` and `cache_n` for the question's first upstream pass. Nones where the header lacks them (callo
+    fills them on its cached paths only; its plain readout reports `tokens` alone)."""
     try:
         entries = json.loads(header or "[]")
         entry = next(e for e in entries if isinstance(e, dict) and e.get("q") == QUESTION_ID)
     except (ValueError, StopIteration, TypeError):
         return None, None, None
     return entry.get("tokens"), entry.get("prompt_n"), entry.get("cache_n")
+
+
+def llama_server_counters(metrics_text: str) -> dict[str, float]:
+    """llama-server's Prometheus counters (`/metrics`), e.g. `llamacpp:prompt_tokens_total`: prompt tokens it
+    has evaluated (cached ones are not counted), `llamacpp:tokens_predicted_total`: tokens it has decoded."""
+    counters = {}
+    for line in metrics_text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("llamacpp:") and value:
+            try:
+                counters[name] = float(value.split()[0])
+            except ValueError:
+                pass
+    return counters
 
 
 class CalloSide:
@@ -144,7 +162,8 @@ class CalloSide:
         self.log = open(log_path, "wb")
         self.argv = [str(callo), "serve", "--model", str(model), "--llama-server", str(llama_server),
                      "--host", "127.0.0.1", "--port", str(self.port), *CALLO_DEFAULT_ARGS, *extra,
-                     "--", "--threads", str(threads), "--threads-batch", str(threads)]
+                     # --metrics only turns on llama-server's /metrics (read between requests, untimed).
+                     "--", "--threads", str(threads), "--threads-batch", str(threads), "--metrics"]
         # A session of its own, so that closing it also stops the llama-server it launched.
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600)
@@ -161,13 +180,29 @@ class CalloSide:
         self.close()
         raise SystemExit(f"callo serve did not become ready in 900 s; see {log_path}")
 
+    def counters(self) -> dict[str, float]:
+        try:
+            return llama_server_counters(self.http.get("/metrics").text)  # callo passes the path to llama-server
+        except httpx.HTTPError:
+            return {}
+
     def decide(self, body: dict) -> Reply:
+        before = self.counters()
         ms, response, error = post(self.http, body)
         if error:
             return Reply(ms, error=error)
+        after = self.counters()
         choice, probabilities = answer_of(response)
         prompt, evaluated, cached = callo_token_counts(response.headers.get("x-callo-timings"))
-        return Reply(ms, choice, probabilities, prompt_tokens=prompt, evaluated_tokens=evaluated, cached_tokens=cached)
+        generated = None
+        if before and after:
+            # Every token llama-server evaluated or decoded for this request, whatever passes callo made.
+            evaluated = int(after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"])
+            generated = int(after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"])
+            if cached is None and prompt is not None and 0 <= evaluated <= prompt:
+                cached = prompt - evaluated
+        return Reply(ms, choice, probabilities, prompt_tokens=prompt, evaluated_tokens=evaluated, cached_tokens=cached,
+                     generated_tokens=generated)
 
     def close(self) -> None:
         self.http.close()
@@ -285,7 +320,7 @@ def side_summary(cases: list[dict], side: str) -> dict:
         "latency_ms": {"forward": {"p50": pct(ms_forward, 50), "p95": pct(ms_forward, 95)},
                        "all": {"p50": pct(ms_all, 50), "p95": pct(ms_all, 95)}},
         "tokens": {direction: {key: tokens([c[side][direction] for c in cases], key)
-                               for key in ("prompt_tokens", "evaluated_tokens", "cached_tokens")}
+                               for key in ("prompt_tokens", "evaluated_tokens", "cached_tokens", "generated_tokens")}
                    for direction in DIRECTIONS},
     }
 
@@ -322,13 +357,13 @@ def paired_ratio(cases: list[dict]) -> Optional[float]:
 
 
 def print_report(report: dict) -> None:
-    out = Console()
+    out = Console(width=None if sys.stdout.isatty() else 160)
     meta, sides = report["meta"], report["summary"]
     out.print(f"[bold]{meta['model_file']}[/], {meta['threads']} threads, {meta['cases']} cases from {meta['data']}, "
               f"commit {meta['host']['commit']}, {meta['date']}")
     table = Table(title="adapter vs callo: identical System One choice requests, alternating")
     for column in ("", "accuracy", "reversed", "same choice reversed", "p50 ms", "p95 ms", "p50 all ms",
-                   "prompt tok", "evaluated tok", "cached tok", "NLL", "errors"):
+                   "prompt tok", "evaluated tok", "cached tok", "generated tok", "NLL", "errors"):
         table.add_column(column, justify="right" if column else "left")
     for side in ("adapter", "callo"):
         s = sides[side]
@@ -341,7 +376,8 @@ def print_report(report: dict) -> None:
                       f"{s['order_stable']}/{s['n']}", fmt(s["latency_ms"]["forward"]["p50"]),
                       fmt(s["latency_ms"]["forward"]["p95"]), fmt(s["latency_ms"]["all"]["p50"]),
                       fmt(t["prompt_tokens"]["mean"], ".1f"), fmt(t["evaluated_tokens"]["mean"], ".1f"),
-                      fmt(t["cached_tokens"]["mean"], ".1f"), fmt(s["nll"], ".3f"), str(s["errors"]))
+                      fmt(t["cached_tokens"]["mean"], ".1f"), fmt(t["generated_tokens"]["mean"], ".1f"),
+                      fmt(s["nll"], ".3f"), str(s["errors"]))
     out.print(table)
     r = report["ratios"]
     out.print(f"adapter / callo: p50 (first sight of each state) {r['p50_forward']:.3f}, p50 (all requests) "
