@@ -32,7 +32,7 @@ ROW = {"id": "r1", "state": "The VPN drops.", "question": "Which team?", "answer
 def reply(choice, ms=100.0, *, answer="network", evaluated=None, error=None):
     probabilities = {} if choice is None else {choice: 0.7, **({answer: 0.3} if answer != choice else {})}
     return {"ms": ms, "choice": choice, "probabilities": probabilities, "prompt_tokens": None,
-            "evaluated_tokens": evaluated, "cached_tokens": None, "error": error, "nll": None}
+            "evaluated_tokens": evaluated, "cached_tokens": None, "generated_tokens": None, "error": error, "nll": None}
 
 
 def case(adapter_fwd, adapter_rev, callo_fwd, callo_rev, *, category="routing", answer="network", ms=(100.0, 100.0)):
@@ -97,3 +97,15 @@ def test_callo_token_counts_come_from_the_question_entry_of_its_timings_header(t
     assert tool.callo_token_counts(None) == (None, None, None)
     assert tool.callo_token_counts('[{"truncated": 1}]') == (None, None, None)
     assert tool.callo_token_counts("not json") == (None, None, None)
+
+
+def test_llama_server_counters_are_read_from_its_prometheus_text(tool):
+    text = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 1234
+llamacpp:tokens_predicted_total 17
+llamacpp:prompt_seconds_total 4.5e+01
+"""
+    counters = tool.llama_server_counters(text)
+    assert counters == {"llamacpp:prompt_tokens_total": 1234.0, "llamacpp:tokens_predicted_total": 17.0,
+                        "llamacpp:prompt_seconds_total": 45.0}
