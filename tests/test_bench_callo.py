@@ -109,3 +109,11 @@ llamacpp:prompt_seconds_total 4.5e+01
     counters = tool.llama_server_counters(text)
     assert counters == {"llamacpp:prompt_tokens_total": 1234.0, "llamacpp:tokens_predicted_total": 17.0,
                         "llamacpp:prompt_seconds_total": 45.0}
+
+
+def test_both_orders_averages_the_two_requests_probabilities_per_option(tool):
+    replies = {"forward": {"probabilities": {"hardware": 0.55, "network": 0.45}, "error": None},
+               "reversed": {"probabilities": {"network": 0.8, "hardware": 0.2}, "error": None}}
+    assert tool.both_orders_choice(replies) == "network"  # 0.625 against 0.375, although forward chose hardware
+    replies["reversed"]["error"] = "HTTP 500"
+    assert tool.both_orders_choice(replies) is None

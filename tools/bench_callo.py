@@ -9,9 +9,10 @@ same GGUF with the same threads, and sends every labeled decision to both as the
 request, alternating which side goes first; then again with the options in reverse order.
 
 It reports, per side: accuracy (options as written, and reversed), order stability (the same option chosen
-both ways), p50/p95 client-side latency, and the prompt tokens per request: all of them, those evaluated, and
-those reused from a cache (the adapter's `x_semif`; callo's `X-Callo-Timings` header, which carries
-llama-server's own `prompt_n` and `cache_n`). Per category and per decision it shows where each side wins.
+both ways), the accuracy of the mean of both orders' probabilities (what order debiasing would give),
+p50/p95 client-side latency, and the prompt tokens per request: all of them, those evaluated, those reused
+from a cache, and those generated (the adapter's `x_semif`; for callo, llama-server's own `/metrics` counters
+read before and after each request). Per category and per decision it shows where each side wins.
 Timings are noisy on a shared machine: compare the ratios measured within one run, not runs with each other.
 
 usage: python tools/bench_callo.py --model GGUF [--data FILE] [--limit N] [--threads N] [--out JSON]
@@ -295,6 +296,15 @@ def answer_nll(reply: Reply, answer: str) -> Optional[float]:
     return None if reply.error or p is None else -math.log(max(float(p), 1e-12))
 
 
+def both_orders_choice(replies: dict) -> Optional[str]:
+    """The option with the highest mean probability over the two orders (what order debiasing would answer from
+    these two requests), or None when either request failed."""
+    forward, backward = replies["forward"]["probabilities"], replies["reversed"]["probabilities"]
+    if replies["forward"]["error"] or replies["reversed"]["error"] or set(forward) != set(backward) or not forward:
+        return None
+    return max(forward, key=lambda option: forward[option] + backward[option])
+
+
 def side_summary(cases: list[dict], side: str) -> dict:
     forward = [c[side]["forward"] for c in cases]
     backward = [c[side]["reversed"] for c in cases]
@@ -302,6 +312,7 @@ def side_summary(cases: list[dict], side: str) -> dict:
     correct = sum(r["choice"] == c["answer"] for c, r in zip(cases, forward))
     correct_reversed = sum(r["choice"] == c["answer"] for c, r in zip(cases, backward))
     stable = sum(f["choice"] is not None and f["choice"] == b["choice"] for f, b in zip(forward, backward))
+    averaged = sum(both_orders_choice(c[side]) == c["answer"] for c in cases)
     ms_forward = [r["ms"] for r in forward if not r["error"]]
     ms_all = ms_forward + [r["ms"] for r in backward if not r["error"]]
 
@@ -315,6 +326,7 @@ def side_summary(cases: list[dict], side: str) -> dict:
         "accuracy": correct / n if n else None, "correct": correct,
         "accuracy_reversed": correct_reversed / n if n else None, "correct_reversed": correct_reversed,
         "order_stable": stable, "order_stability": stable / n if n else None,
+        "correct_both_orders": averaged, "accuracy_both_orders": averaged / n if n else None,
         "errors": sum(1 for r in forward + backward if r["error"]),
         "nll": mean([c[side]["forward"]["nll"] for c in cases]),
         "latency_ms": {"forward": {"p50": pct(ms_forward, 50), "p95": pct(ms_forward, 95)},
@@ -362,7 +374,7 @@ def print_report(report: dict) -> None:
     out.print(f"[bold]{meta['model_file']}[/], {meta['threads']} threads, {meta['cases']} cases from {meta['data']}, "
               f"commit {meta['host']['commit']}, {meta['date']}")
     table = Table(title="adapter vs callo: identical System One choice requests, alternating")
-    for column in ("", "accuracy", "reversed", "same choice reversed", "p50 ms", "p95 ms", "p50 all ms",
+    for column in ("", "accuracy", "reversed", "same choice reversed", "both orders", "p50 ms", "p95 ms", "p50 all ms",
                    "prompt tok", "evaluated tok", "cached tok", "generated tok", "NLL", "errors"):
         table.add_column(column, justify="right" if column else "left")
     for side in ("adapter", "callo"):
@@ -373,7 +385,8 @@ def print_report(report: dict) -> None:
             return "-" if value is None else format(value, spec)
 
         table.add_row(side, f"{s['correct']}/{s['n']} = {s['accuracy']:.3f}", f"{s['correct_reversed']}/{s['n']}",
-                      f"{s['order_stable']}/{s['n']}", fmt(s["latency_ms"]["forward"]["p50"]),
+                      f"{s['order_stable']}/{s['n']}", f"{s['correct_both_orders']}/{s['n']}",
+                      fmt(s["latency_ms"]["forward"]["p50"]),
                       fmt(s["latency_ms"]["forward"]["p95"]), fmt(s["latency_ms"]["all"]["p50"]),
                       fmt(t["prompt_tokens"]["mean"], ".1f"), fmt(t["evaluated_tokens"]["mean"], ".1f"),
                       fmt(t["cached_tokens"]["mean"], ".1f"), fmt(t["generated_tokens"]["mean"], ".1f"),
