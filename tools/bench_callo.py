@@ -1,0 +1,528 @@
+#!/usr/bin/env python
+"""Side by side: the adapter against callo, on the same GGUF, llama.cpp, threads and System One requests.
+
+callo (PyPI `callo`, pinned in requirements-callo.txt) is a proxy in front of stock llama-server that answers
+System One from llama-server's next-token log-probabilities. This script installs it in its own virtualenv
+(.venv-callo), launches `callo serve --model M --llama-server BIN` on the llama-server that `make llama-server`
+builds from the same vendored llama.cpp as the adapter's llama-cpp-python, launches the adapter (`serve`) on the
+same GGUF with the same threads, and sends every labeled decision to both as the same System One `choice`
+request, alternating which side goes first; then again with the options in reverse order.
+
+It reports, per side: accuracy (options as written, and reversed), order stability (the same option chosen
+both ways), the accuracy of the mean of both orders' probabilities (what order debiasing would give),
+p50/p95 client-side latency, and the prompt tokens per request: all of them, those evaluated, those reused
+from a cache, and those generated (the adapter's `x_semif`; for callo, llama-server's own `/metrics` counters
+read before and after each request). Per category and per decision it shows where each side wins.
+Timings are noisy on a shared machine: compare the ratios measured within one run, not runs with each other.
+
+usage: python tools/bench_callo.py --model GGUF [--data FILE] [--limit N] [--threads N] [--out JSON]
+                                  [--llama-server BIN] [--callo-arg ARG]... [--adapter-env NAME=VALUE]...
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_server import BenchServer, free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO / "data" / "decisions-dev.jsonl"
+DEFAULT_SERVER = REPO / ".build" / "llama-server" / "build" / "bin" / "llama-server"
+CALLO_VENV = REPO / ".venv-callo"
+CALLO_REQUIREMENTS = REPO / "requirements-callo.txt"
+# callo's launch settings in the comparison it is measured by: one context of 8192 tokens shared by 2 slots.
+CALLO_DEFAULT_ARGS = ("--ctx", "8192", "--parallel", "2")
+QUESTION_ID = "decision"
+WARMUP_STATE = "Warm-up request: the printer on floor two is out of toner."
+DIRECTIONS = ("forward", "reversed")
+console = Console(stderr=True)
+
+
+# ---- the two sides ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    """One side's answer to one request."""
+
+    ms: float
+    choice: Optional[str] = None
+    probabilities: dict = field(default_factory=dict)
+    prompt_tokens: Optional[int] = None  # every prompt token of the request
+    evaluated_tokens: Optional[int] = None  # those run through the model for it
+    cached_tokens: Optional[int] = None  # those reused from what the context already held
+    generated_tokens: Optional[int] = None  # tokens decoded after the prompt (callo's readout may sample some)
+    error: Optional[str] = None
+
+
+def systemone_body(row: dict, reverse: bool) -> dict:
+    """The System One request both sides get: the row's question as a `choice`, options as criteria."""
+    options = row["options"][::-1] if reverse else row["options"]
+    criteria = {o["id"]: o.get("description") for o in options}
+    return {"state": row["state"], "questions": {QUESTION_ID: {"type": "choice", "instructions": row["question"],
+                                                               "criteria": criteria}}}
+
+
+def post(http: httpx.Client, body: dict) -> tuple[float, Optional[httpx.Response], Optional[str]]:
+    started = time.perf_counter()
+    try:
+        response = http.post("/v1/systemone", json=body)
+    except httpx.HTTPError as exc:
+        return (time.perf_counter() - started) * 1000, None, f"{type(exc).__name__}: {exc}"
+    ms = (time.perf_counter() - started) * 1000
+    if response.status_code != 200:
+        return ms, response, f"HTTP {response.status_code}: {response.text[:300]}"
+    return ms, response, None
+
+
+def answer_of(response: httpx.Response) -> tuple[Optional[str], dict]:
+    answer = response.json()["answers"][QUESTION_ID]
+    return answer.get("choice"), answer.get("probabilities") or {}
+
+
+class AdapterSide:
+    name = "adapter"
+
+    def __init__(self, model: Path, threads: int, env: dict):
+        self.server = BenchServer(model, ready_timeout_s=600, SEMIF_N_THREADS=threads, **env)
+        self.http = self.server.http
+        self.first_record: dict = {}
+
+    def decide(self, body: dict) -> Reply:
+        ms, response, error = post(self.http, body)
+        if error:
+            return Reply(ms, error=error)
+        choice, probabilities = answer_of(response)
+        payload = response.json()
+        record = payload.get("x_semif") or {}
+        self.first_record = self.first_record or record
+        usage = payload.get("usage") or {}
+        return Reply(ms, choice, probabilities, prompt_tokens=usage.get("input_tokens"),
+                     evaluated_tokens=record.get("evaluated_tokens"), cached_tokens=record.get("cached_tokens"),
+                     generated_tokens=usage.get("output_tokens"))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def callo_token_counts(header: Optional[str]) -> tuple[Optional[int], Optional[int], Optional[int]]:
+    """(prompt tokens, evaluated, reused) of the question from callo's X-Callo-Timings header: llama-server's own
+    `prompt_n` and `cache_n` for the question's first upstream pass. Nones where the header lacks them (callo
+    fills them on its cached paths only; its plain readout reports `tokens` alone)."""
+    try:
+        entries = json.loads(header or "[]")
+        entry = next(e for e in entries if isinstance(e, dict) and e.get("q") == QUESTION_ID)
+    except (ValueError, StopIteration, TypeError):
+        return None, None, None
+    return entry.get("tokens"), entry.get("prompt_n"), entry.get("cache_n")
+
+
+def llama_server_counters(metrics_text: str) -> dict[str, float]:
+    """llama-server's Prometheus counters (`/metrics`), e.g. `llamacpp:prompt_tokens_total`: prompt tokens it
+    has evaluated (cached ones are not counted), `llamacpp:tokens_predicted_total`: tokens it has decoded."""
+    counters = {}
+    for line in metrics_text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("llamacpp:") and value:
+            try:
+                counters[name] = float(value.split()[0])
+            except ValueError:
+                pass
+    return counters
+
+
+class CalloSide:
+    """`callo serve` in launch mode: it starts llama-server itself (with `-- ARGS` passed through last)."""
+
+    name = "callo"
+
+    def __init__(self, callo: Path, model: Path, llama_server: Path, threads: int, extra: list[str], log_path: Path):
+        self.port = free_port()
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.argv = [str(callo), "serve", "--model", str(model), "--llama-server", str(llama_server),
+                     "--host", "127.0.0.1", "--port", str(self.port), *CALLO_DEFAULT_ARGS, *extra,
+                     # --metrics only turns on llama-server's /metrics (read between requests, untimed).
+                     "--", "--threads", str(threads), "--threads-batch", str(threads), "--metrics"]
+        # A session of its own, so that closing it also stops the llama-server it launched.
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"callo serve exited with {self.proc.returncode}; see {log_path}")
+            try:
+                if self.http.get("/callo/stats").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise SystemExit(f"callo serve did not become ready in 900 s; see {log_path}")
+
+    def counters(self) -> dict[str, float]:
+        try:
+            return llama_server_counters(self.http.get("/metrics").text)  # callo passes the path to llama-server
+        except httpx.HTTPError:
+            return {}
+
+    def decide(self, body: dict) -> Reply:
+        before = self.counters()
+        ms, response, error = post(self.http, body)
+        if error:
+            return Reply(ms, error=error)
+        after = self.counters()
+        choice, probabilities = answer_of(response)
+        prompt, evaluated, cached = callo_token_counts(response.headers.get("x-callo-timings"))
+        generated = None
+        if before and after:
+            # Every token llama-server evaluated or decoded for this request, whatever passes callo made.
+            evaluated = int(after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"])
+            generated = int(after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"])
+            if cached is None and prompt is not None and 0 <= evaluated <= prompt:
+                cached = prompt - evaluated
+        return Reply(ms, choice, probabilities, prompt_tokens=prompt, evaluated_tokens=evaluated, cached_tokens=cached,
+                     generated_tokens=generated)
+
+    def close(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=60)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def side_order(index: int, turn: int) -> list[str]:
+    """Who goes first: alternating from one case to the next and between a case's two directions, so that each
+    side goes first equally often in each direction and neither always meets the machine in the same state."""
+    return ["adapter", "callo"] if (index + turn) % 2 == 0 else ["callo", "adapter"]
+
+
+# ---- setup ------------------------------------------------------------------------------------------
+
+
+def pinned_callo_version() -> str:
+    for line in CALLO_REQUIREMENTS.read_text().splitlines():
+        if line.startswith("callo=="):
+            return line.split("==", 1)[1].strip()
+    raise SystemExit(f"{CALLO_REQUIREMENTS} pins no callo version")
+
+
+def ensure_callo(venv: Path) -> tuple[Path, str]:
+    """callo in its own virtualenv, at the pinned version (installed or replaced when it is not)."""
+    want = pinned_callo_version()
+    python, callo = venv / "bin" / "python", venv / "bin" / "callo"
+
+    def installed() -> Optional[str]:
+        if not callo.exists():
+            return None
+        probe = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('callo'))"],
+                               capture_output=True, text=True)
+        return probe.stdout.strip() or None
+
+    if installed() != want:
+        console.print(f">> installing callo {want} into {venv} (its own virtualenv)")
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--progress-bar", "off", "-r",
+                        str(CALLO_REQUIREMENTS)], check=True)
+        if installed() != want:
+            raise SystemExit(f"callo {want} did not install into {venv}")
+    return callo, want
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def host_record(llama_server: Path) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    version = subprocess.run([str(llama_server), "--version"], capture_output=True, text=True)
+    build = next((line.strip() for line in (version.stdout + version.stderr).splitlines() if line.startswith("version")), None)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "llama_server_build": build,
+            "commit": commit + ("-dirty" if dirty else ""), "loadavg_start": list(os.getloadavg())}
+
+
+# ---- figures ----------------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> Optional[float]:
+    return float(np.percentile(values, q)) if values else None
+
+
+def mean(values: list) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def answer_nll(reply: Reply, answer: str) -> Optional[float]:
+    p = reply.probabilities.get(answer)
+    return None if reply.error or p is None else -math.log(max(float(p), 1e-12))
+
+
+def both_orders_choice(replies: dict) -> Optional[str]:
+    """The option with the highest mean probability over the two orders (what order debiasing would answer from
+    these two requests), or None when either request failed."""
+    forward, backward = replies["forward"]["probabilities"], replies["reversed"]["probabilities"]
+    if replies["forward"]["error"] or replies["reversed"]["error"] or set(forward) != set(backward) or not forward:
+        return None
+    return max(forward, key=lambda option: forward[option] + backward[option])
+
+
+def side_summary(cases: list[dict], side: str) -> dict:
+    forward = [c[side]["forward"] for c in cases]
+    backward = [c[side]["reversed"] for c in cases]
+    n = len(cases)
+    correct = sum(r["choice"] == c["answer"] for c, r in zip(cases, forward))
+    correct_reversed = sum(r["choice"] == c["answer"] for c, r in zip(cases, backward))
+    stable = sum(f["choice"] is not None and f["choice"] == b["choice"] for f, b in zip(forward, backward))
+    averaged = sum(both_orders_choice(c[side]) == c["answer"] for c in cases)
+    ms_forward = [r["ms"] for r in forward if not r["error"]]
+    ms_all = ms_forward + [r["ms"] for r in backward if not r["error"]]
+
+    def tokens(replies: list[dict], key: str) -> dict:
+        values = [r[key] for r in replies if r[key] is not None]
+        return {"mean": mean(values), "min": min(values) if values else None, "max": max(values) if values else None,
+                "n": len(values)}
+
+    return {
+        "n": n,
+        "accuracy": correct / n if n else None, "correct": correct,
+        "accuracy_reversed": correct_reversed / n if n else None, "correct_reversed": correct_reversed,
+        "order_stable": stable, "order_stability": stable / n if n else None,
+        "correct_both_orders": averaged, "accuracy_both_orders": averaged / n if n else None,
+        "errors": sum(1 for r in forward + backward if r["error"]),
+        "nll": mean([c[side]["forward"]["nll"] for c in cases]),
+        "latency_ms": {"forward": {"p50": pct(ms_forward, 50), "p95": pct(ms_forward, 95)},
+                       "all": {"p50": pct(ms_all, 50), "p95": pct(ms_all, 95)}},
+        "tokens": {direction: {key: tokens([c[side][direction] for c in cases], key)
+                               for key in ("prompt_tokens", "evaluated_tokens", "cached_tokens", "generated_tokens")}
+                   for direction in DIRECTIONS},
+    }
+
+
+def group_summary(cases: list[dict], key: str) -> dict:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for case in cases:
+        groups[case[key]].append(case)
+    out = {}
+    for name, members in sorted(groups.items()):
+        entry = {"n": len(members)}
+        for side in ("adapter", "callo"):
+            right = [c[side]["forward"]["choice"] == c["answer"] for c in members]
+            entry[side] = {
+                "correct": sum(right),
+                "order_stable": sum(c[side]["forward"]["choice"] == c[side]["reversed"]["choice"] for c in members),
+                "evaluated_tokens": mean([c[side]["forward"]["evaluated_tokens"] for c in members]),
+                "p50_ms": pct([c[side]["forward"]["ms"] for c in members], 50),
+            }
+        entry["adapter_only_right"] = sum(c["adapter"]["forward"]["choice"] == c["answer"] != c["callo"]["forward"]["choice"]
+                                          for c in members)
+        entry["callo_only_right"] = sum(c["callo"]["forward"]["choice"] == c["answer"] != c["adapter"]["forward"]["choice"]
+                                        for c in members)
+        out[name] = entry
+    return out
+
+
+def paired_ratio(cases: list[dict]) -> Optional[float]:
+    """Median over requests of adapter ms / callo ms: the two run back to back on the same request, so a drift in
+    the machine's speed over the run (other work on a shared host) cancels out of each ratio."""
+    ratios = [c["adapter"][d]["ms"] / c["callo"][d]["ms"] for c in cases for d in DIRECTIONS
+              if not c["adapter"][d]["error"] and not c["callo"][d]["error"]]
+    return float(np.median(ratios)) if ratios else None
+
+
+def print_report(report: dict) -> None:
+    out = Console(width=None if sys.stdout.isatty() else 160)
+    meta, sides = report["meta"], report["summary"]
+    out.print(f"[bold]{meta['model_file']}[/], {meta['threads']} threads, {meta['cases']} cases from {meta['data']}, "
+              f"commit {meta['host']['commit']}, {meta['date']}")
+    table = Table(title="adapter vs callo: identical System One choice requests, alternating")
+    for column in ("", "accuracy", "reversed", "same choice reversed", "both orders", "p50 ms", "p95 ms", "p50 all ms",
+                   "prompt tok", "evaluated tok", "cached tok", "generated tok", "NLL", "errors"):
+        table.add_column(column, justify="right" if column else "left")
+    for side in ("adapter", "callo"):
+        s = sides[side]
+        t = s["tokens"]["forward"]
+
+        def fmt(value, spec=".0f"):
+            return "-" if value is None else format(value, spec)
+
+        table.add_row(side, f"{s['correct']}/{s['n']} = {s['accuracy']:.3f}", f"{s['correct_reversed']}/{s['n']}",
+                      f"{s['order_stable']}/{s['n']}", f"{s['correct_both_orders']}/{s['n']}",
+                      fmt(s["latency_ms"]["forward"]["p50"]),
+                      fmt(s["latency_ms"]["forward"]["p95"]), fmt(s["latency_ms"]["all"]["p50"]),
+                      fmt(t["prompt_tokens"]["mean"], ".1f"), fmt(t["evaluated_tokens"]["mean"], ".1f"),
+                      fmt(t["cached_tokens"]["mean"], ".1f"), fmt(t["generated_tokens"]["mean"], ".1f"),
+                      fmt(s["nll"], ".3f"), str(s["errors"]))
+    out.print(table)
+    r = report["ratios"]
+    out.print(f"adapter / callo: p50 (first sight of each state) {r['p50_forward']:.3f}, p50 (all requests) "
+              f"{r['p50_all']:.3f}, median per-request ratio {r['median_per_request']:.3f}")
+    for key, title in (("per_category", "per category"), ("per_decision", "per decision")):
+        table = Table(title=f"{title}: correct (options as written), order-stable, evaluated tokens")
+        for column in ("", "n", "adapter", "callo", "adapter only", "callo only", "stable A", "stable C", "eval tok A",
+                       "eval tok C"):
+            table.add_column(column, justify="right" if column else "left")
+        for name, g in report[key].items():
+            a, c = g["adapter"], g["callo"]
+            table.add_row(name, str(g["n"]), str(a["correct"]), str(c["correct"]), str(g["adapter_only_right"]),
+                          str(g["callo_only_right"]), str(a["order_stable"]), str(c["order_stable"]),
+                          f"{a['evaluated_tokens'] or 0:.0f}", f"{c['evaluated_tokens'] or 0:.0f}")
+        out.print(table)
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="GGUF both sides serve (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="labeled decisions, JSON Lines "
+                        "(the format semif-eval reads; default data/decisions-dev.jsonl)")
+    parser.add_argument("--limit", type=int, help="only the first N decisions of the file")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads for each side")
+    parser.add_argument("--llama-server", type=Path, default=DEFAULT_SERVER, help="llama-server binary (make llama-server)")
+    parser.add_argument("--out", type=Path, help="report JSON (default reports/bench-callo-<UTC time>.json)")
+    parser.add_argument("--callo-arg", action="append", default=[], metavar="ARG",
+                        help="an extra `callo serve` argument (repeatable; after the defaults "
+                             f"{' '.join(CALLO_DEFAULT_ARGS)}, so it wins), e.g. --callo-arg=--temperature --callo-arg=1.9")
+    parser.add_argument("--adapter-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an extra SEMIF_* setting for the adapter (repeatable), e.g. SEMIF_DEBIAS=reverse")
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(REPO / "container"))
+    from semif.serving.config import embedded_model_path
+    from semif.tools.evaluate import load_rows
+
+    if not args.llama_server.is_file():
+        raise SystemExit(f"no llama-server at {args.llama_server}: run `make llama-server` first")
+    model = (args.model or embedded_model_path()).resolve()
+    if not model.is_file():
+        raise SystemExit(f"no model at {model}")
+    try:
+        rows = load_rows(args.data, args.limit)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"cannot read {args.data}: {exc}")
+    adapter_env = {}
+    for item in args.adapter_env:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("SEMIF_"):
+            raise SystemExit(f"--adapter-env {item!r}: expected SEMIF_NAME=VALUE")
+        adapter_env[name] = value
+    callo_bin, callo_version = ensure_callo(CALLO_VENV)
+    started = dt.datetime.now(dt.timezone.utc)
+    out_path = args.out or REPO / "reports" / f"bench-callo-{started:%Y%m%dT%H%M%SZ}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    host = host_record(args.llama_server)
+    console.print(f">> model {model.name}, {args.threads} threads, {len(rows)} decisions; load average "
+                  f"{host['loadavg_start'][0]:.2f}")
+    model_sha256 = sha256_file(model)
+
+    sides: dict[str, object] = {}
+    try:
+        console.print(">> starting the adapter")
+        sides["adapter"] = AdapterSide(model, args.threads, adapter_env)
+        console.print(">> starting callo (it launches llama-server)")
+        log_path = out_path.with_suffix(".callo.log")
+        sides["callo"] = CalloSide(callo_bin, model, args.llama_server, args.threads, args.callo_arg, log_path)
+        warmup = {"state": WARMUP_STATE, "question": "Which team?", "answer": "print",
+                  "options": [{"id": "print", "description": "Printers"}, {"id": "network", "description": "Network"}]}
+        for side in sides.values():
+            for reverse in (False, True):
+                reply = side.decide(systemone_body(warmup, reverse))
+                if reply.error:
+                    raise SystemExit(f"{side.name} failed its warm-up request: {reply.error}")
+
+        cases = []
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=console)
+        with progress:
+            task = progress.add_task("decisions", total=len(rows))
+            for index, row in enumerate(rows):
+                case = {"id": row["id"], "category": row.get("category", "all"),
+                        "decision_id": row.get("decision_id") or row.get("category", "all"), "answer": row["answer"],
+                        "adapter": {}, "callo": {}}
+                for turn, direction in enumerate(DIRECTIONS):
+                    body = systemone_body(row, reverse=direction == "reversed")
+                    order = side_order(index, turn)
+                    for name in order:
+                        reply = sides[name].decide(body)
+                        case[name][direction] = {**asdict(reply), "nll": answer_nll(reply, row["answer"]),
+                                                 "first": name == order[0]}
+                cases.append(case)
+                progress.advance(task)
+                if not console.is_terminal and (len(cases) % 10 == 0 or len(cases) == len(rows)):
+                    # Off a terminal (a log file) the bar does not redraw: a line every ten decisions instead.
+                    right = {n: sum(c[n]["forward"]["choice"] == c["answer"] for c in cases) for n in sides}
+                    console.print(f"{len(cases)}/{len(rows)} decisions, correct so far: adapter {right['adapter']}, "
+                                  f"callo {right['callo']}")
+    finally:
+        for side in sides.values():
+            side.close()
+
+    adapter_record = sides["adapter"].first_record
+    report = {
+        "meta": {
+            "date": started.strftime("%Y-%m-%d"), "started": started.isoformat(timespec="seconds"),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "model_file": model.name, "model_sha256": model_sha256, "threads": args.threads,
+            "data": str(args.data), "data_sha256": sha256_file(args.data), "cases": len(cases),
+            "callo_version": callo_version, "callo_argv": sides["callo"].argv[1:],
+            "adapter_env": adapter_env, "adapter_template_version": adapter_record.get("template_version"),
+            "adapter_llama_cpp_build": adapter_record.get("llama_cpp_build"),
+            "host": {**host, "loadavg_end": list(os.getloadavg())},
+            "note": "client-side wall time per request, both servers on one shared machine, never at the same time",
+        },
+        "summary": {side: side_summary(cases, side) for side in ("adapter", "callo")},
+        "per_category": group_summary(cases, "category"),
+        "per_decision": group_summary(cases, "decision_id"),
+        "cases": cases,
+    }
+    a, c = report["summary"]["adapter"]["latency_ms"], report["summary"]["callo"]["latency_ms"]
+    report["ratios"] = {"p50_forward": a["forward"]["p50"] / c["forward"]["p50"],
+                        "p50_all": a["all"]["p50"] / c["all"]["p50"], "median_per_request": paired_ratio(cases)}
+    out_path.write_text(json.dumps(report, indent=1))
+    print_report(report)
+    console.print(f">> report: {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
