@@ -11,7 +11,7 @@ from semif.serving.prompt import _fence_tag as linear
 
 
 def old(state_text):
-    """The search before issue 10: one substring scan of the whole state per candidate tag."""
+    """The former search: one substring scan of the whole state per candidate tag."""
     lowered = state_text.lower()
     for n in itertools.count():
         tag = "state" if n == 0 else f"state-{n}"

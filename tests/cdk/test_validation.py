@@ -222,7 +222,7 @@ def test_any_pool_list_is_either_valid_or_refused_with_a_reason(priorities):
             EndpointCompute(instance_pools=pools, **BASE)
 
 
-# ---- deploy-safety checks on the environments file (issue 12) ----
+# ---- deploy-safety checks on the environments file ----
 
 
 def _edit(raw_config, env, path, value):
@@ -322,7 +322,7 @@ def test_monthly_minimum_cost_table_in_the_deploy_doc_matches_the_config():
     table = monthly_cost_table(load_settings())
     assert table in doc, "docs/deploy.md's cost table is stale; paste the table `cdk synth` prints"
     assert PRICES_AS_OF in doc
-    # Dev is sized to its 135M model: two small CPU instances, not the ~$1.7k/month it used to be.
+    # Dev is sized to its 135M model: two small CPU instances, well under a GPU instance's month.
     dev_total = float(table.split("| dev | **total** | | | **")[1].split("**")[0].replace(",", ""))
     assert dev_total < 300
 

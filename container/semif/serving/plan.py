@@ -147,7 +147,7 @@ class PromptPlan:
     shared_segments: int = 1
     return_prompt: bool = False
     layout: str = DEFAULT_LAYOUT
-    # The injection check (issue #11 §4): a yes/no question label-scored from the same prefix as the
+    # The injection check: a yes/no question label-scored from the same prefix as the
     # questions; p(yes) is reported as injection_suspected. None when not asked for.
     injection_check: Optional[QuestionPlan] = None
     debias: str = "none"
