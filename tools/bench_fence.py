@@ -2,7 +2,7 @@
 """Fence-tag search on a 1 MiB state stuffed with <state-N> tags: the old one-tag-at-a-time search
 (kept here for the comparison) vs the linear one in semif/serving/prompt.py.
 
-usage: .venv/bin/python tools/bench_fence.py      (figures in docs/adapter.md)
+usage: .venv/bin/python tools/bench_fence.py      (figures in docs/benchmarks.md)
 """
 import itertools
 import time

@@ -1,4 +1,4 @@
-"""Settings from the `SEMIF_*` environment (the contract with CDK; see docs/configuration.md)."""
+"""Settings from the `SEMIF_*` environment (the contract with CDK; see docs/reference/configuration.md)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ class Settings:
     # Run the injection check on every request that does not say; a policy with
     # max_injection turns it on for its requests regardless.
     injection_check: bool = False
-    # Order debiasing by default (a request's `debias` overrides it): see docs/explanation/scoring.md, "Option order".
+    # Order debiasing by default (a request's `debias` overrides it): see docs/explanation/scoring.md, "Option order debiasing".
     debias: str = "none"
     # Several sequences per decode (semif/serving/batching.py): off by default, so that an answer never
     # depends on the batch it was computed in. n_seq is read only when batching is on.

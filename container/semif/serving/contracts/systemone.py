@@ -5,7 +5,7 @@
 
 Errors follow the API's FastAPI conventions: validation failures are 422 `{"detail": [{"loc": ["body", …],
 "msg", "type"}]}`, anything else `{"detail": {"error_type", "message"}}`. The rules are pinned by jevcompat's
-spec (see docs/compatibility.md).
+spec (see docs/reference/api.md).
 """
 
 from __future__ import annotations
