@@ -187,8 +187,8 @@ def test_openai_client_raises_bad_request_with_the_server_message(oai):
     assert "n" == caught.value.body["param"]
 
 
-# Sampled at temperature 2 the embedded model rambles on without its end token (this seed ran to 1,500
-# tokens, ~80 s on one thread of the shared 2-vCPU VM, 2026-12-02): left alone, the reply would hold the
+# Sampled at temperature 2 the embedded model rambles on without its end token (these messages and seed
+# ran to 1,500 tokens in 126 s on one thread of the shared 2-vCPU VM, 2026-12-02): left alone, the reply would hold the
 # model for a minute, so a decision admitted soon after the client left shows that generation stopped.
 RAMBLING = {"messages": MESSAGES, "max_tokens": 1000, "temperature": 2.0, "seed": 1}
 

@@ -311,9 +311,9 @@ def test_a_request_past_its_deadline_gets_a_json_504_and_the_next_is_served_prom
 
 # ---- abandoned chats, queued clients and mini-batches ---------------------------------------------
 
-# Sampled at temperature 2 the embedded model rambles on without emitting its end token (this seed ran
-# to 1,500 tokens, ~80 s on one thread of the shared 2-vCPU VM, 2026-12-02): left alone, one such reply
-# holds the model for a minute, so a test that finds the model free soon after its client left measures
+# Sampled at temperature 2 the embedded model rambles on without emitting its end token (this prompt and
+# seed run to the 1,000-token limit, about a minute on one thread of the shared 2-vCPU VM, 2026-12-02):
+# left alone, one such reply holds the model for a minute, so a test that finds the model free soon after its client left measures
 # cancellation, not a short reply.
 LONG_CHAT = {"messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse."}],
              "max_tokens": 1000, "temperature": 2.0, "seed": 1}
