@@ -100,6 +100,7 @@ class Settings:
     max_questions: int = 400
     max_body_bytes: int = 1 << 20
     request_deadline_s: float = 50.0  # under SageMaker's 60 s InvokeEndpoint limit
+    chat_deadline_s: float = 50.0  # a chat completion, streaming or not, stops generating after this long
     max_request_tokens: int = 65536
     api_key: Optional[str] = None
     log_hash_key: Optional[str] = None
@@ -179,6 +180,7 @@ class Settings:
             max_questions=_int(env, "SEMIF_MAX_QUESTIONS", 400, minimum=1),
             max_body_bytes=_int(env, "SEMIF_MAX_BODY_BYTES", 1 << 20, minimum=1024),
             request_deadline_s=_float(env, "SEMIF_REQUEST_DEADLINE_S", 50.0, minimum=0.001),
+            chat_deadline_s=_float(env, "SEMIF_CHAT_DEADLINE_S", 50.0, minimum=0.001),
             max_request_tokens=_int(env, "SEMIF_MAX_REQUEST_TOKENS", 65536, minimum=64),
             api_key=env.get("SEMIF_API_KEY") or None,
             log_hash_key=env.get("SEMIF_LOG_HASH_KEY") or None,
