@@ -1,14 +1,14 @@
 """CDK Pipelines: build the adapter images, synth, then one stage per environment with checks around it.
 
     Source → Build [Image-cpu, Image-gpu → Synth] → UpdatePipeline → Assets
-           → dev     [PreDeploy → shared → CheckModel → decision → text → Smoke → stage checks]
+           → dev     [PreDeploy → shared → CheckModel → decision → text → Smoke]
            → staging [PreDeploy → shared → CheckModel → decision → Smoke → Gate → LoadCheck]      (GPU)
            → prod    [Approve ‖ Bake(staging) → PreDeploy → shared → CheckModel → decision → text → Smoke
                       → PromoteBaseline]
 
 Each variant's image is built once, before any deploy, and every stage of that variant deploys the same
-digest (build once, promote the digest). The pipeline knows environments only as the stage specs
-``app.py`` hands it. What each step runs is in ``stacks/pipeline_steps.py``.
+digest (build once, promote the digest). Gate, LoadCheck and PromoteBaseline are stage checks
+(``stacks/release_checks.py``). The pipeline knows environments only as the stage specs ``app.py`` hands it. What each step runs is in ``stacks/pipeline_steps.py``.
 """
 
 from __future__ import annotations
