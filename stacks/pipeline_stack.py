@@ -8,7 +8,8 @@
 
 Each variant's image is built once, before any deploy, and every stage of that variant deploys the same
 digest (build once, promote the digest). Gate, LoadCheck and PromoteBaseline are stage checks
-(``stacks/release_checks.py``). The pipeline knows environments only as the stage specs ``app.py`` hands it. What each step runs is in ``stacks/pipeline_steps.py``.
+(``stacks/release_checks.py``). The pipeline knows environments only as the stage specs ``app.py`` hands it.
+What each step runs is in ``stacks/pipeline_steps.py``.
 """
 
 from __future__ import annotations
