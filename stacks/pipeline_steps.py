@@ -233,7 +233,9 @@ def promote_baseline_commands() -> list[str]:
     return [
         'report="s3://${MODEL_BUCKET}/${REPORT_PREFIX}${RELEASE_ID}/report.json"; '
         'baseline="s3://${MODEL_BUCKET}/${BASELINE_KEY}"',
-        'aws s3 cp "$report" gated-report.json --only-show-errors',
+        'aws s3 cp "$report" gated-report.json --only-show-errors || { echo "no readable report at ${report}: '
+        'this execution\'s gate wrote none, or it cannot be read (to this role S3 answers a missing object with 403)" '
+        '>&2; exit 1; }',
         "python3 -c \"import json; g = json.load(open('gated-report.json')).get('gate') or {}; "
         "assert g.get('passed') is True, 'the report carries no passing gate verdict: not promoted'; "
         "print('gate verdict: passed')\"",

@@ -208,7 +208,7 @@ def test_a_report_without_a_passing_verdict_never_becomes_the_baseline(tmp_path,
 def test_no_report_for_this_execution_fails_the_promotion_and_keeps_the_old_baseline(tmp_path):
     code, _, output = run_step(tmp_path, promote_baseline_commands(), COMMON,
                                objects={"reports/staging/other-execution/report.json": _report(True)})
-    assert code != 0 and "does not exist" in output
+    assert code != 0 and f"no readable report at s3://{BUCKET}/reports/staging/{RELEASE}/report.json" in output
     assert not (tmp_path / "stub" / "s3" / "reports/prod/report.json").exists()
 
 
