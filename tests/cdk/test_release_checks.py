@@ -235,3 +235,27 @@ def test_the_pipelines_check_steps_reach_staging_only_through_stagings_own_check
                 and "semif-staging" in json.dumps(s)]
     assumed = sorted(r for s in statements if "sts:AssumeRole" in _as_list(s["Action"]) for r in _as_list(s["Resource"]))
     assert f"arn:aws:iam::{STAGING_ACCOUNT}:role/semif-staging-pipeline-check" in assumed
+
+
+def test_a_stage_check_naming_an_output_its_stage_lacks_fails_synth_with_the_names_it_has():
+    from aws_cdk import App, CfnOutput, Environment, Stack
+
+    from stacks.pipeline_stack import PipelineStack, PipelineStageSpec, StageCheck, StageStacks
+
+    def build(scope) -> StageStacks:
+        stack = Stack(scope, "staging-decision", stack_name="semif-staging-decision")
+        return StageStacks(decision=stack, endpoint_name_output=CfnOutput(stack, "Name", value="e"), stacks=[stack],
+                           endpoint_names=["e"], outputs={"model_key_arn": CfnOutput(stack, "Key", value="k")})
+
+    spec = PipelineStageSpec(
+        name="staging", account=STAGING_ACCOUNT, region=REGION, variant="gpu", needs_approval=False,
+        check_role_arn=f"arn:aws:iam::{STAGING_ACCOUNT}:role/semif-staging-pipeline-check", model_bucket="b",
+        model_prefix="models/m/1/", manifest_key="models/m/1/model-manifest.json", chat_endpoint=None, build=build,
+        checks=[StageCheck(name="Gate", commands=["true"], env_from_outputs={"MODEL_KEY_ARN": "model_key"})])
+    with pytest.raises(ValueError, match="stage check Gate: stage staging has no output model_key "
+                                         r"\(it has model_key_arn\)"):
+        PipelineStack(App(), "P", env=Environment(account="333333333333", region=REGION),
+                      connection_arn="arn:aws:codeconnections:us-east-1:333333333333:connection/x", repository="o/r",
+                      branch="main", stages=[spec], bakes={}, bake_minutes=1, image_keep_last=5,
+                      dlc_base_images={v: "763104351884.dkr.ecr.us-east-1.amazonaws.com/llama-cpp@sha256:" + "4e" * 32
+                                       for v in ("cpu", "gpu")}, pull_accounts=[STAGING_ACCOUNT])
