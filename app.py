@@ -205,7 +205,7 @@ def adapter_image_digests(app: App) -> dict[str, str]:
 def _digest_for(digests: dict[str, str], variant: str) -> str:
     if variant not in digests:
         raise ConfigError(
-            f"no adapter image digest for the '{variant}' variant: the pipeline builds it (docs/deploy.md); pass "
+            f"no adapter image digest for the '{variant}' variant: the pipeline builds it (docs/explanation/pipeline.md); pass "
             f"-c adapter-image-{variant}=sha256:… (aws ecr describe-images --repository-name {IMAGE_REPOSITORY_NAME}), "
             f"or -c adapter-image-{variant}={PLACEHOLDER_DIGEST} for a synth that deploys no endpoint")
     return digests[variant]
@@ -264,7 +264,7 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
         if settings.dlc_images.digest(variant) == PLACEHOLDER_DIGEST:
             Annotations.of(app).add_warning_v2(
                 f"semif:dlc-{variant}-unpinned", f"config dlc_images.{variant} is the all-zero placeholder: the image "
-                "build and CloudFormation will refuse it; pin the DLC digest (docs/deploy.md, step 1)")
+                "build and CloudFormation will refuse it; pin the DLC digest (docs/how-to/deploy-first-environment.md, step 3)")
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return app
 

@@ -60,7 +60,7 @@ class EndpointComputeSettings:
     min_instances: int
     max_instances: int
     # False deregisters the scalable target: the first of two deploys that change instance types
-    # (docs/deploy.md, "Changing instance types").
+    # (docs/how-to/choose-model-and-hardware.md, "Changing instance types later").
     autoscaling_enabled: bool
     # Scale out when in-flight requests per instance reach this share of what one instance admits
     # (decision: 1 running + SEMIF_MAX_QUEUE waiting; chat: llama-server's `parallel` slots).
@@ -88,7 +88,7 @@ class AdapterSettings:
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
     def to_environment(self) -> dict[str, str]:
-        """SEMIF_* variables as documented in docs/configuration.md (SEMIF_IMAGE_DIGEST is added by CDK)."""
+        """SEMIF_* variables as documented in docs/reference/configuration.md (SEMIF_IMAGE_DIGEST is added by CDK)."""
         rendered: dict[str, str] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -227,7 +227,7 @@ class EnvironmentSettings:
 
 @dataclass(frozen=True)
 class DlcImageSettings:
-    """The llama.cpp DLC, pinned by digest per variant (look-up command: docs/deploy.md)."""
+    """The llama.cpp DLC, pinned by digest per variant (look-up command: docs/how-to/deploy-first-environment.md, step 3)."""
 
     cpu: str
     gpu: str
@@ -290,7 +290,7 @@ def load_settings(path: Path | str = CONFIG_PATH) -> AppSettings:
     for variant in ("cpu", "gpu"):
         if not _DIGEST.match(settings.dlc_images.digest(variant)):
             raise ConfigError(f"dlc_images.{variant}: '{settings.dlc_images.digest(variant)}' is not a "
-                              "'sha256:<64 hex>' digest (look-up command: docs/deploy.md)")
+                              "'sha256:<64 hex>' digest (look-up command: docs/how-to/deploy-first-environment.md, step 3)")
     for env in environments.values():
         _check_environment(env)
     _check_pipeline(pipeline, environments)

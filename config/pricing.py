@@ -1,7 +1,7 @@
 """Monthly on-demand cost of each environment's minimum capacity, from documented price constants.
 
 The AWS price list is not reachable at synth (synth is offline), so the hourly prices are constants here,
-with the date and region they are for. `app.py` prints the table at synth; docs/deploy.md holds the same
+with the date and region they are for. `app.py` prints the table at synth; docs/how-to/deploy-first-environment.md holds the same
 table (a test keeps them equal). Update the constants (and PRICES_AS_OF) when the price page changes:
 https://aws.amazon.com/sagemaker/pricing/ → "Real-Time Inference", region US East (N. Virginia).
 """
@@ -31,7 +31,7 @@ HOURLY_USD: dict[str, float] = {
 
 def cost_per_thousand_records(instance_type: str, records_per_s: float) -> float:
     """Batch Transform (billed at the inference rate): instance time only, no startup, S3 or transfer;
-    price per hour / records per hour × 1,000 (docs/batch.md)."""
+    price per hour / records per hour × 1,000 (docs/how-to/batch-transform.md)."""
     return HOURLY_USD[instance_type] / (records_per_s * 3600) * 1000
 
 

@@ -18,7 +18,7 @@ OVERLOAD_503_PATTERN = "{ $.status = 503 }"
 CLIENT_ERROR_PATTERN = "{ $.status >= 400 && $.status < 500 }"
 DECISION_ACTIONS = ("accept", "review", "abstain")
 # Below this label mass a decision counts as "low label mass": most of the model's next-token probability
-# went to tokens other than the option labels (docs/adapter.md, "Label mass").
+# went to tokens other than the option labels (docs/explanation/scoring.md, "Label mass").
 DEFAULT_LOW_LABEL_MASS_THRESHOLD = 0.5
 
 

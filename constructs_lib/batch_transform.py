@@ -5,7 +5,7 @@ CreateTransformJob takes no role: a job runs with its Model's execution role. A 
 the batch grants off the endpoint's role, and the role holds exactly what a job does: run the model
 (its data, its image, its log group and metrics namespace), read ``batch/<job>/in/``, write
 ``batch/<job>/out/`` in the model bucket, and use the bucket's key. `semif-batch run` creates jobs
-on this Model (docs/batch.md).
+on this Model (docs/how-to/batch-transform.md).
 """
 
 from __future__ import annotations

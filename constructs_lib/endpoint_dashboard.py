@@ -34,7 +34,7 @@ def endpoint_dashboard(scope: Construct, *, dashboard_name: str, endpoint_metric
             cloudwatch.GraphWidget(title="4xx by error_code", width=6, left=[adapter.client_errors_by_code]),
             cloudwatch.GraphWidget(title="Decisions by action", width=6, stacked=True,
                                    left=list(adapter.decisions_by_action.values())),
-            # Low label mass beside low margin: both say the model is unsure (docs/adapter.md, "Label mass").
+            # Low label mass beside low margin: both say the model is unsure (docs/explanation/scoring.md, "Label mass").
             cloudwatch.GraphWidget(title="Low-margin decisions", width=6, left=[adapter.low_margin, adapter.low_label_mass]),
         )
     dashboard.add_widgets(cloudwatch.AlarmStatusWidget(title="Alarms", width=24, alarms=list(alarms)))

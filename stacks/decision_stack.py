@@ -41,7 +41,7 @@ class DecisionStack(Stack):
         super().__init__(scope, id_, **kwargs)
         # By name, not by cross-stack reference: the IAM resources stay plain strings.
         model_bucket = s3.Bucket.from_bucket_name(self, "ModelBucket", model_bucket_name)
-        # The image was built once, in the pipeline account, before any environment deployed (docs/deploy.md).
+        # The image was built once, in the pipeline account, before any environment deployed (docs/explanation/pipeline.md).
         repository = ecr.Repository.from_repository_arn(self, "AdapterRepository", image_repository_arn)
         self.image = BuiltImage(repository=repository, digest=image_digest,
                                 placeholder_lookup=adapter_digest_lookup(image_repository_arn, env_name))
@@ -58,7 +58,7 @@ class DecisionStack(Stack):
         self.model_check.guard(self.endpoint.cfn_model)
 
         # Batch Transform: a Model of the same image, model and environment, run by a role of its own
-        # (docs/batch.md); the model check guards it like the endpoint's Model.
+        # (docs/how-to/batch-transform.md); the model check guards it like the endpoint's Model.
         self.batch = BatchTransform(self, "Batch", image=self.image, model_bucket=model_bucket,
                                     model_key=model_key, model_prefix=model_prefix,
                                     environment=self.endpoint.environment)

@@ -39,7 +39,7 @@ def stage_stack_synthesizer() -> DefaultStackSynthesizer:
 
     CDK Pipelines copies the CloudFormation execution role ARN into each deploy action's
     configuration; as ``Fn::Join`` with ``AWS::Partition`` cfn-lint rejects it (E3703). SemIf
-    targets the ``aws`` partition only (see docs/deploy.md).
+    targets the ``aws`` partition only (see docs/how-to/deploy-first-environment.md).
     """
     role = "arn:aws:iam::${AWS::AccountId}:role/cdk-${Qualifier}-%s-${AWS::AccountId}-${AWS::Region}"
     return DefaultStackSynthesizer(cloud_formation_execution_role=role % "cfn-exec-role",

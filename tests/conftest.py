@@ -1,4 +1,4 @@
-"""Shared fixtures: one real llama.cpp model per session (loading costs seconds), an in-process app,
+"""Shared fixtures: one real llama.cpp model per test session (loading costs seconds), an in-process app,
 and a helper that starts the real `serve` process on a free port. Plain helpers live in serving.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(model_path):
-    """The session's engine, label memo off: every answer a test compares is computed, never recalled.
+    """The session-scoped engine, label memo off: every answer a test compares is computed, never recalled.
     Tests of the memo itself switch it on for their duration (`memo_on`) and say "memo" in their name.
     Prefix snapshots are off too, so that what a test finds cached depends on that test alone; tests of
     the snapshots switch them on (`snapshots_on`).

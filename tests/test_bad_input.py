@@ -97,7 +97,7 @@ def test_server_keeps_serving_after_bad_input(client):
     assert _post(client, GOOD).status_code == 200
 
 
-# ---- input that used to reach a 500 ---------------------------------------------------------------
+# ---- input that must never reach a 500 ---------------------------------------------------------------
 
 SYSTEM_ONE = {"model": "jev-latest", "state": "Charged twice.", "questions": {"refund": {"type": "noul", "instructions": "Refund?"}}}
 OPENAI = {"model": "gpt-6-luna", "input": "Charged twice.", "questions": [{"type": "predicate", "name": "refund", "instructions": "Refund?"}]}

@@ -114,7 +114,7 @@ def test_report_counts_errors_choices_and_margins_and_scores_the_labels_with_sem
         per_decision[answer["id"]][answer["choice"]] += 1
     assert report["choices"] == {k: dict(sorted(v.items(), key=lambda kv: -kv[1])) for k, v in per_decision.items()}
     assert report["margin"]["n"] == 29
-    # Label scoring reports each answer's label mass (issue #11 §2); this output has no policy, so no abstentions.
+    # Label scoring reports each answer's label mass; this output has no policy, so no abstentions.
     assert report["label_mass"]["n"] == 29 and 0.0 < report["label_mass"]["mean"] <= 1.0
     assert report["abstain_share"] is None
     rows = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]

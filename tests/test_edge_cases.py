@@ -1,4 +1,4 @@
-"""Edge cases that used to answer 500 or the wrong thing, each on a real GGUF through real llama.cpp at the
+"""Edge cases that must answer neither 500 nor the wrong thing, each on a real GGUF through real llama.cpp at the
 production defaults (flash attention, label memo, prefix snapshots): a model without a chat template, a
 label the model scores -inf, a vocabulary without two single-token yes/no labels, a native decision
 model whose label tokens are out of range or shared, and a non-ASCII API key.

@@ -1,4 +1,4 @@
-"""The per-request shortcuts of issue 14 §2 change no answer: each is checked against the slow way, on the
+"""The per-request shortcuts (memos, cached plans, skipped work) change no answer: each is checked against the slow way, on the
 real embedded model."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_clearing_only_the_caches_metadata_leaves_later_answers_exact(engine, mo
     must not reach a later answer. Compared with a brand-new engine, whose buffer llama.cpp zeroed."""
     state = "A customer was charged twice for one order and wants a refund."
     fresh = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
-                   prefix_cache_mb=0, flash_attn=False)  # as the session engine (conftest)
+                   prefix_cache_mb=0, flash_attn=False)  # as the session-scoped engine (conftest)
     try:
         want = fresh.score(state, [ROUTE]).distributions[0].option_logits
     finally:

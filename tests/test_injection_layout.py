@@ -1,4 +1,4 @@
-"""Template v2 (issue #11 §4) and the options-first layout (issue #14 §3): plan layouts without a model,
+"""Template v2 and the options-first layout: plan layouts without a model,
 and on the real embedded model: cached equals uncached, the options prefix stays warm across states,
 the injection check, plain-text turn markers, the normalised fence search, and the wire contracts."""
 

@@ -46,7 +46,7 @@ def answer_lines(response) -> list[dict]:
 
 @pytest.fixture
 def app_with(engine, model_path):
-    """A separate app over the session's engine, with settings of the test's choosing."""
+    """A separate app over the session-scoped engine, with settings of the test's choosing."""
     from semif.serving.app import create_app
 
     clients = []

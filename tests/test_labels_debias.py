@@ -111,7 +111,7 @@ def spm_prefix_vocab():
     v.close()
 
 
-# ---- §1 piecewise tokenization ----------------------------------------------------------------
+# ---- piecewise tokenization -------------------------------------------------------------------
 
 @pytest.mark.parametrize("scoring", ["label", "sequence"])
 def test_a_plans_pieces_tokenize_exactly_like_the_whole_prompt_text(vocab, scoring):
@@ -180,7 +180,7 @@ def test_tokenizing_each_piece_alone_is_not_the_whole_prompt_but_the_plans_piece
         v.close()
 
 
-# ---- §2 labels --------------------------------------------------------------------------------
+# ---- labels -----------------------------------------------------------------------------------
 
 def test_each_label_variant_is_the_token_a_reply_starts_with_after_the_answer_cue(vocab):
     """Both spellings of the reply (`A` and ` A`), where each is one token after the cue, are scored."""
@@ -281,7 +281,7 @@ def test_a_template_without_reasoning_is_left_as_it_is(engine):
     assert engine.template.thinking is None and "<think>" not in engine.template.answer_cue
 
 
-# ---- §3 order debiasing -----------------------------------------------------------------------
+# ---- order debiasing --------------------------------------------------------------------------
 
 def _computed(result):
     assert all(d.evaluated_tokens > 0 for d in result.distributions)

@@ -1,4 +1,4 @@
-"""Order debiasing under the options-first layout (issues #11 §3 and #14 §3): the reversed order is its own
+"""Order debiasing under the options-first layout: the reversed order is its own
 cached options block, the state is evaluated after each, and the combined answer is the average of the
 two orders' log-probabilities. Real SmolLM2 inference throughout."""
 

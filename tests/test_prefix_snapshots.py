@@ -1,6 +1,6 @@
-"""More than one prefix warm (issue 14 §4): KV snapshots of prefixes in RAM, on the real embedded model.
+"""More than one prefix warm: KV snapshots of prefixes in RAM, on the real embedded model.
 
-Each comparison computes both sides: the restored answer on the session engine, the reference on an engine
+Each comparison computes both sides: the restored answer on the session-scoped engine, the reference on an engine
 of its own that never restores anything (snapshots off, prefix cache off)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ STATE_C = "Ticket from the lab. " + "The shared drive is read-only since Monday 
 def reference(model_path):
     """An engine that evaluates every prompt from an empty context: the answers a restore must give."""
     eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
-                 prefix_cache=False, prefix_cache_mb=0, flash_attn=False)  # as the session engine (conftest)
+                 prefix_cache=False, prefix_cache_mb=0, flash_attn=False)  # as the session-scoped engine (conftest)
     yield eng
     eng.close()
 

@@ -1,7 +1,7 @@
 """Reliability of the real `serve` process: overload, faults, hostile input at the socket, memory.
 
 Bounded for CI (short states, label scoring). The longer soak with figures is tools/soak.py;
-results and commands are in docs/reliability.md."""
+results and commands are in docs/explanation/reliability.md."""
 
 from __future__ import annotations
 
@@ -497,7 +497,7 @@ def test_hostile_bodies_get_4xx_in_bounded_memory_and_the_server_keeps_serving(s
 # ---- memory -------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # ~45k evaluated tokens; minutes on 2 vCPUs (figures in docs/reliability.md)
+@pytest.mark.slow  # ~45k evaluated tokens; minutes on 2 vCPUs (figures in docs/explanation/reliability.md)
 def test_rss_after_1000_decisions_stays_within_10_percent_of_rss_after_50(start_serve):
     server = _serve(start_serve, SEMIF_N_THREADS=2)  # one sequential client: both cores go to the model
     url = server.base_url + "/invocations"

@@ -2,7 +2,7 @@
 """Fence-tag search on a 1 MiB state stuffed with <state-N> tags: the old one-tag-at-a-time search
 (kept here for the comparison) vs the linear one in semif/serving/prompt.py.
 
-usage: .venv/bin/python tools/bench_fence.py      (figures in docs/adapter.md)
+usage: .venv/bin/python tools/bench_fence.py      (figures in docs/benchmarks.md)
 """
 import itertools
 import time
@@ -11,7 +11,7 @@ from semif.serving.prompt import _fence_tag as linear
 
 
 def old(state_text):
-    """The search before issue 10: one substring scan of the whole state per candidate tag."""
+    """The former search: one substring scan of the whole state per candidate tag."""
     lowered = state_text.lower()
     for n in itertools.count():
         tag = "state" if n == 0 else f"state-{n}"

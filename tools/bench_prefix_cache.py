@@ -19,7 +19,7 @@ Scenarios (--layout):
                  time: the state prefix is what alternates.
   options_first  two routing tasks (a question with --options options and one-line descriptions each),
                  A and B alternating, a new ~100-token ticket each time: the question block before the
-                 state is what alternates. Needs a server with the options-first layout (issue 14 §3).
+                 state is what alternates. Needs a server with the options-first layout.
 
 usage: python tools/bench_prefix_cache.py [--model GGUF] [--layout state_first|options_first]
                                           [--requests N] [--options N] [--cache-mb MB] [--json OUT]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Routing benchmark (issue #14 §3): one question with 40 described options, 50 distinct tickets of about
+"""Routing benchmark: one question with 40 described options, 50 distinct tickets of about
 100 tokens, answered through the engine in the state-first and the options-first layout, in one run.
 
 Each layout answers every ticket once after one warm-up ticket (so the template head is cached in both

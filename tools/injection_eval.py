@@ -2,7 +2,7 @@
 """How often does an instruction injected into the state move the decision to the option it names,
 and what does each defense cost in clean accuracy and latency? One run, one model, every variant.
 
-Attacks (issue #11 §4): for every labeled decision and every wrong option W (neither the answer nor the
+Attacks: for every labeled decision and every wrong option W (neither the answer nor the
 variant's clean choice), one attack is planted in the state. The attacks cycle deterministically through
 several phrasings, three languages (English, German, French), fake turn markers written as plain text
 (`[/INST]`, `Assistant:`, `### Answer:`), and three positions (start, middle, end of the state), so each

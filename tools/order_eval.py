@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Option-order sensitivity with and without order debiasing, on labeled decisions (issue #11 §3).
+"""Option-order sensitivity with and without order debiasing, on labeled decisions.
 
 For each labeled decision, one debiased request through the engine: it scores the options as given
 and reversed over one cached state, and its per-order answers are what "none" answers for each listing

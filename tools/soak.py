@@ -6,7 +6,7 @@ RSS. Every 200 is checked against the same request answered serially (|Δp| ≤ 
     .venv/bin/python tools/soak.py --clients 16 --requests 2000 --max-queue 2 --chat-every 10
 
 Starts `serve` on a free loopback port with the embedded model unless --url is given.
-Figures from runs are recorded in docs/reliability.md.
+Figures from runs are recorded in docs/explanation/reliability.md.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ another without complaint and then pass structs of the wrong size by value. This
   * with --library, every such function is exported by that library (nm -D).
 
 Exit status: 0 when all agree, 1 with one line per mismatch on stderr, 2 on a usage error.
-The image build runs it on the llama.cpp it compiles and on the DLC's (docs/model-packaging.md).
+The image build runs it on the llama.cpp it compiles and on the DLC's (docs/explanation/image.md).
 """
 
 from __future__ import annotations

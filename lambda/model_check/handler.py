@@ -156,7 +156,7 @@ def check_model(s3, *, bucket: str, model_prefix: str, manifest_key: str) -> dic
         if _is_missing(s3, exc, bucket=bucket, key=manifest_key):
             raise ModelCheckFailed(
                 f"no model manifest at {manifest_uri} (S3: {code}): upload the model first with "
-                f"`{upload_command(bucket, model_prefix)}` (docs/deploy.md, step 7)") from exc
+                f"`{upload_command(bucket, model_prefix)}` (docs/how-to/deploy-first-environment.md, step 7)") from exc
         raise ModelCheckFailed(f"cannot read {manifest_uri}: S3 {code}: {exc}") from exc
     except BotoCoreError as exc:
         raise ModelCheckFailed(f"cannot read {manifest_uri}: {exc}") from exc

@@ -162,7 +162,7 @@ def test_prod_decision_endpoint_uses_gpu_pools_and_the_promoted_adapter_image(pr
                 if r["Type"] == "AWS::CodeBuild::Project"
                 or (r["Type"].startswith("Custom::") and r["Type"] != "Custom::SemIfModelCheck")]
     models = template.find_resources("AWS::SageMaker::Model").values()
-    assert len(models) == 2  # the endpoint's and Batch Transform's (docs/batch.md): pinned and configured alike
+    assert len(models) == 2  # the endpoint's and Batch Transform's (docs/how-to/batch-transform.md): pinned and configured alike
     for model in models:
         assert _rendered(model["Properties"]["PrimaryContainer"]["Image"]) == f"{CENTRAL_REPOSITORY}@{GPU_DIGEST}"
         assert model["Properties"]["PrimaryContainer"]["Environment"] == container["Environment"]

@@ -188,7 +188,7 @@ def test_adapter_settings_render_the_semif_contract():
 
 
 def test_every_rendered_variable_is_in_the_configuration_doc():
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "configuration.md").read_text()
     for name in load_settings().environment("prod").decision.adapter.to_environment():
         assert f"`{name}`" in doc, name
     assert "`SEMIF_IMAGE_DIGEST`" in doc
@@ -222,7 +222,7 @@ def test_any_pool_list_is_either_valid_or_refused_with_a_reason(priorities):
             EndpointCompute(instance_pools=pools, **BASE)
 
 
-# ---- deploy-safety checks on the environments file (issue 12) ----
+# ---- deploy-safety checks on the environments file ----
 
 
 def _edit(raw_config, env, path, value):
@@ -315,19 +315,22 @@ def test_dlc_images_are_pinned_by_digest(tmp_path, raw_config):
         _load(tmp_path, raw)
 
 
+DEPLOY_DOC = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "deploy-first-environment.md"
+PIPELINE_DOC = Path(__file__).resolve().parents[2] / "docs" / "explanation" / "pipeline.md"
+
+
 def test_monthly_minimum_cost_table_in_the_deploy_doc_matches_the_config():
     from config.pricing import PRICES_AS_OF, monthly_cost_table
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    doc = DEPLOY_DOC.read_text()
     table = monthly_cost_table(load_settings())
-    assert table in doc, "docs/deploy.md's cost table is stale; paste the table `cdk synth` prints"
+    assert table in doc, "the deploy guide's cost table is stale; paste the table `cdk synth` prints"
     assert PRICES_AS_OF in doc
-    # Dev is sized to its 135M model: two small CPU instances, not the ~$1.7k/month it used to be.
+    # Dev is sized to its 135M model: two small CPU instances, well under a GPU instance's month.
     dev_total = float(table.split("| dev | **total** | | | **")[1].split("**")[0].replace(",", ""))
     assert dev_total < 300
 
 
-DEPLOY_DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 
 
 def _bash_blocks(doc: str) -> list[str]:
@@ -380,8 +383,8 @@ def test_the_deploy_doc_says_what_to_do_for_each_failure_in_the_order_a_release_
     assert "--retry-mode ALL_ACTIONS" in section and "ChangeSet does not exist" in section
 
 
-def test_the_deploy_doc_says_what_stays_unverified():
-    doc = DEPLOY_DOC.read_text()
-    unverified = doc.split("## What stays unverified without an AWS account")[1]
+def test_the_pipeline_doc_says_what_has_not_met_aws_yet():
+    doc = PIPELINE_DOC.read_text()
+    unverified = doc.split("## What has not met AWS yet")[1]
     assert "The image build itself is unverified until its first CodeBuild run" in unverified
     assert "autoscaling_enabled: false" in doc  # the instance-type change procedure

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Prepare, on this (CPU) machine, everything tools/gpu/run_device_bench.sh needs on the device machine
-# (one H200, Python 3.12, CUDA 13 libraries in its image, no package registry, 64 MiB carried):
+# For a GPU host that cannot reach a package registry: prepare, on a CPU machine with nvcc, everything
+# tools/gpu/run_device_bench.sh needs there (an sm_90 GPU such as an H100/H200, Python 3.12, CUDA 13
+# libraries installed, the whole folder under 64 MiB so it copies quickly). A GPU host that can reach PyPI
+# needs none of this: `make LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" setup`, then run tools/bench_batching.py.
 #
 #   .gpu-carry/wheels/llama_cpp_python-<v>-py3-none-linux_x86_64.whl   CUDA build for sm_90 only, stripped
 #   .gpu-carry/wheels/*.whl          the serving dependencies the device image lacks, for CPython 3.12
 #   .gpu-carry/tokenizer.json.gz     the embedded model's tokenizer, for a random-weight GGUF made there
 #
 # Usage (from the repository root, after `make setup`):   tools/gpu/build_cuda_wheel.sh
-# Then, with the device tool, from the checkout the session runs in:
-#   run(command="bash tools/gpu/run_device_bench.sh", carry=[".gpu-carry"], timeout_s=540)
+# Then copy the checkout with .gpu-carry to the GPU host and run there, from the repository root:
+#   bash tools/gpu/run_device_bench.sh
 #
 # The CUDA compile of llama.cpp takes long on 2 cores (ggml-cuda's template instances): JOBS=N sets the
 # parallelism. It needs nvcc (13.x here) but no GPU. .gpu-carry is added to .git/info/exclude (never committed).
@@ -16,7 +18,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PY=${PY:-.venv/bin/python}
 CARRY=.gpu-carry
-LIMIT_MIB=${LIMIT_MIB:-60}  # of the tool's 64 MiB; the working tree travels too
+LIMIT_MIB=${LIMIT_MIB:-60}  # of the 64 MiB copy budget; the working tree travels too
 JOBS=${JOBS:-2}
 exclude="$(git rev-parse --git-path info/exclude)"
 mkdir -p "$(dirname "$exclude")" && touch "$exclude"

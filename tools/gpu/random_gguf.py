@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """A random-weight llama GGUF for timing on a machine that cannot receive the real model.
 
-The device tool carries at most 64 MiB, and the embedded SmolLM2-135M alone is 98 MB. Timing does not
+The folder copied to an offline GPU host is kept under 64 MiB, and the embedded SmolLM2-135M alone is 98 MB. Timing does not
 need trained weights, only the right shapes and a real tokenizer (the adapter picks single-token labels
 and renders the chat template at load). So:
 
-    # here: the tokenizer (vocabulary, merges, special ids, chat template) of a real GGUF, ~1 MB gzipped
+    # on the CPU machine: the tokenizer (vocabulary, merges, special ids, chat template) of a real GGUF, ~1 MB gzipped
     python tools/gpu/random_gguf.py tokenizer --from MODEL.gguf --out .gpu-carry/tokenizer.json.gz
-    # there: a llama-architecture model of the chosen shape with N(0, 0.02) F16 weights and that tokenizer
+    # on the GPU host: a llama-architecture model of the chosen shape with N(0, 0.02) F16 weights and that tokenizer
     python tools/gpu/random_gguf.py model --tokenizer .gpu-carry/tokenizer.json.gz --preset 3b --out /tmp/m.gguf
 
 Its answers mean nothing; its speed is that of a trained model of the same shape and type.

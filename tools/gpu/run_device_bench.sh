@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs ON the device machine (one H200), from the repository root, as the device tool's command:
-#   run(command="bash tools/gpu/run_device_bench.sh", carry=[".gpu-carry"], timeout_s=540)
-# after tools/gpu/build_cuda_wheel.sh filled .gpu-carry here. Budget: under 8 minutes in all
+# Runs ON the GPU host, from the repository root:   bash tools/gpu/run_device_bench.sh
+# after tools/gpu/build_cuda_wheel.sh filled .gpu-carry on a CPU machine and the checkout was copied over
+# with it. Budget: under 8 minutes in all
 # (venv ~0.5 min, random 3B GGUF ~1.5 min, two server loads and the benchmark ~3 min).
 # Writes to $OUT: gpu.txt, bench.log, bench.json (copy the figures into docs/benchmarks.md).
 #   PRESET=1b|3b|135m   model shape (default 3b)    N_SEQ=16   REQUESTS=64 per client count and mode

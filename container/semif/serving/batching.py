@@ -1,4 +1,4 @@
-"""Several sequences per decode (opt-in: SEMIF_BATCHING=1, SEMIF_N_SEQ=N; docs/configuration.md).
+"""Several sequences per decode (opt-in: SEMIF_BATCHING=1, SEMIF_N_SEQ=N; docs/reference/configuration.md).
 
 The default engine path is serial and batch-invariant: every question is decoded alone, so an answer
 never depends on other questions or other clients. This module is the other path, for throughput:

@@ -7,7 +7,7 @@ every generation (the next decision re-evaluates its state; its answer is unchan
 
 Streaming holds the model thread for the whole generation: the worker generates and pushes each
 chunk through an asyncio queue that the SSE response drains. If the client goes away the worker
-stops at the next token and frees the model. See docs/reliability.md.
+stops at the next token and frees the model. See docs/explanation/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Settings from the `SEMIF_*` environment (the contract with CDK; see docs/configuration.md)."""
+"""Settings from the `SEMIF_*` environment (the contract with CDK; see docs/reference/configuration.md)."""
 
 from __future__ import annotations
 
@@ -112,13 +112,13 @@ class Settings:
     # below the 3600 s invocation timeout semif-batch sets; 0 tokens = no budget beyond the context.
     batch_deadline_s: float = 3300.0
     batch_max_request_tokens: int = 0
-    # Prompt layout when a request does not say (issue #14 §3): state_first or options_first (routing).
+    # Prompt layout when a request does not say : state_first or options_first (routing).
     # A request with several questions uses state_first whatever this says.
     layout: str = "state_first"
-    # Run the injection check (issue #11 §4) on every request that does not say; a policy with
+    # Run the injection check on every request that does not say; a policy with
     # max_injection turns it on for its requests regardless.
     injection_check: bool = False
-    # Order debiasing by default (a request's `debias` overrides it): see docs/adapter.md, "Option order".
+    # Order debiasing by default (a request's `debias` overrides it): see docs/explanation/scoring.md, "Option order debiasing".
     debias: str = "none"
     # Several sequences per decode (semif/serving/batching.py): off by default, so that an answer never
     # depends on the batch it was computed in. n_seq is read only when batching is on.

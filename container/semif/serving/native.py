@@ -1,7 +1,7 @@
 """Native decision models: GGUFs that carry their own decision prompt, labels and temperatures.
 
 When the loaded GGUF says how it wants to be asked, the engine uses that instead of the SemIf template
-(docs/adapter.md, "Native decision models"). Two published conventions are read:
+(docs/explanation/scoring.md, "Native decision models"). Two published conventions are read:
 
 - llama.cpp's decision server (`tools/server/server-decision.cpp`, route `/v1/systemone`):
   `<arch>.decision.type` names the readout; the prompt is the chat template named `systemone`

@@ -147,7 +147,7 @@ class PromptPlan:
     shared_segments: int = 1
     return_prompt: bool = False
     layout: str = DEFAULT_LAYOUT
-    # The injection check (issue #11 §4): a yes/no question label-scored from the same prefix as the
+    # The injection check: a yes/no question label-scored from the same prefix as the
     # questions; p(yes) is reported as injection_suspected. None when not asked for.
     injection_check: Optional[QuestionPlan] = None
     debias: str = "none"
@@ -155,7 +155,7 @@ class PromptPlan:
     # debiasing): the state's last block and the question suffix are evaluated as one segment. Nothing
     # could reuse the state there (the state comes after the options, so another question means another
     # prefix, and an exact repeat is answered by the label memo), and one llama_decode instead of two took
-    # 0.81x the time of a routing decision in-process (docs/adapter.md). Decided by the request alone, never by the cache, so the answer does not
+    # 0.81x the time of a routing decision in-process (docs/benchmarks.md). Decided by the request alone, never by the cache, so the answer does not
     # depend on what the context happened to hold (the exactness rule in engine.py).
     fuse_state_and_question: bool = False
 

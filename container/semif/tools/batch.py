@@ -9,7 +9,7 @@
 Each input line is one request of any decision contract (SemIf, System One, OpenAI Decisions); each output
 line answers the input line at the same position, or is that contract's error object. `run` and `local`
 send the same mini-batches to the same `/invocations` JSON Lines path (semif/serving/jsonlines.py).
-See docs/batch.md.
+See docs/how-to/batch-transform.md.
 """
 
 from __future__ import annotations
@@ -761,7 +761,7 @@ def print_report(report: dict, console) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="semif-batch", description="Decide JSON Lines files offline (docs/batch.md).")
+    parser = argparse.ArgumentParser(prog="semif-batch", description="Decide JSON Lines files offline (docs/how-to/batch-transform.md).")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="a SageMaker Batch Transform job on the decision stack's model")

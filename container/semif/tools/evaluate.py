@@ -14,7 +14,7 @@ NLL, Brier, ECE (15 bins), accuracy/coverage, the abstention policy's coverage a
 for target accuracies, cross-validated calibration (temperature, contextual), and with --compare-chat
 the same cases through chat generation. Writes report.json (with per-case results) and PNGs, to a folder
 or an s3:// prefix (SSE-KMS); with --baseline/--limits, also the release gate's verdict (semif.tools.gate),
-exiting 1 when a limit fails. See docs/evaluation.md.
+exiting 1 when a limit fails. See docs/how-to/evaluate-a-model.md.
 """
 
 from __future__ import annotations

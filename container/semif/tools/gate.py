@@ -8,7 +8,7 @@ Both print the same verdict (`compare`), and exit 1 when a limit fails. Without 
 release) only the absolute limits apply. Metrics are recomputed from each report's per-case results
 (`runs.<scoring>.cases_detail`): on all of the candidate's cases for the absolute limits, and on the cases
 both reports share (by id, scored against the candidate's labels) for the limits on the change. The
-verdict lists changed cases by id, never their state text. See docs/evaluation.md.
+verdict lists changed cases by id, never their state text. See docs/how-to/release-gate.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ as with real traffic; `--repeat-states` sends them as they are) until ``duration
 budget, so the run stops by itself. It reports throughput (successes per second), p50/p95/p99 of the
 successful requests (retries included), the share of attempts answered 503, retry amplification
 (attempts per success) and the share of requests that failed after every retry. Exits 1 when a limit
-fails, 2 on bad arguments or input, 3 when the target cannot be opened. See docs/evaluation.md.
+fails, 2 on bad arguments or input, 3 when the target cannot be opened. See docs/how-to/release-gate.md.
 """
 
 from __future__ import annotations

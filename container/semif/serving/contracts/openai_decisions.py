@@ -208,7 +208,7 @@ def parse(body: Any, limits: Limits) -> Job:
         raise _bad("debias", f"must be one of {', '.join(DEBIAS_VALUES)} (got {_shown(debias)})")
     if body.get("prompt_cache_options") is not None:
         _require(body["prompt_cache_options"], dict, "prompt_cache_options", "an object")
-    # Our extensions (issues #11 and #14): prompt layout and the injection check; None = the server's default.
+    # Our extensions: prompt layout and the injection check; None = the server's default.
     layout = body.get("layout")
     if layout is not None and layout not in ("state_first", "options_first"):
         raise _bad("layout", f"must be 'state_first' or 'options_first', not {_shown(layout)}")

@@ -5,7 +5,7 @@
 
 Errors follow the API's FastAPI conventions: validation failures are 422 `{"detail": [{"loc": ["body", …],
 "msg", "type"}]}`, anything else `{"detail": {"error_type", "message"}}`. The rules are pinned by jevcompat's
-spec (see docs/compatibility.md).
+spec (see docs/reference/api.md).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class SystemOneRequest(_Lenient):
     state: Content
     questions: dict[str, AnyQuestion] = Field(min_length=1)
     assets: Optional[dict[str, Any]] = None
-    # Our extensions (issues #11 and #14): prompt layout and the injection check, None = server default.
+    # Our extensions: prompt layout and the injection check, None = server default.
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
     # Our extension: order debiasing ("none" | "reverse"); absent: the server default (SEMIF_DEBIAS).
