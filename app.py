@@ -22,7 +22,7 @@ from aws_cdk import Annotations, App, Environment, RemovalPolicy, Tags, Validati
 from cdk_nag import AwsSolutionsChecks
 from constructs import Construct
 
-from config import AppSettings, ConfigError, EnvironmentSettings, load_settings
+from config import AppSettings, ConfigError, EnvironmentSettings, baseline_stage, load_settings
 from config.pricing import monthly_cost_table
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute, InstancePool
@@ -34,6 +34,7 @@ from constructs_lib.serving_endpoint import target_concurrency
 from stacks.decision_stack import DecisionStack
 from stacks.pipeline_stack import (PIPELINE_CHECK_ROLE_NAME, PipelineStack, PipelineStageSpec, StageStacks,
                                    stage_stack_synthesizer)
+from stacks.release_checks import MODEL_KEY_OUTPUT, LoadPlan, ReleaseCheckAccess, gate_and_load_checks, promote_check
 from stacks.shared_stack import SharedStack, pipeline_check_role_name
 from stacks.text_stack import TextStack
 
@@ -104,10 +105,13 @@ def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: App
     removal = REMOVAL_BY_TIER[env.tier]
     bucket_name = model_bucket_name(settings.project, env.name, env.account, env.region)
     endpoint_names = (env.decision.endpoint_name,) + ((env.text.endpoint_name,) if env.text else ())
+    access = release_check_access(env, settings)
     shared = SharedStack(scope, f"SemIf-{env.name}-Shared", stack_name=f"{prefix}-shared", env=aws_env, synthesizer=synth(),
                          env_name=env.name, model_bucket_name=bucket_name, model_prefix=env.model_prefix,
                          alarm_email=env.alarm_email, removal_policy=removal,
                          pipeline_check_principal_arn=pipeline_check_principal(settings), endpoint_names=endpoint_names,
+                         check_reads=access.reads if access else (), check_writes=access.writes if access else (),
+                         check_lists=access.lists if access else (), check_describes_endpoint_configs=access is not None,
                          description=f"SemIf {env.name}: model bucket, alarm topic and the pipeline's check role")
     alarms = env.decision.alarms
     decision = DecisionStack(
@@ -138,6 +142,40 @@ def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: App
             Tags.of(stack).add("project", "semif")
             Tags.of(stack).add("environment", env.name)
     return EnvironmentStacks(shared=shared, decision=decision, text=text)
+
+
+def release_check_access(env: EnvironmentSettings, settings: AppSettings) -> Optional[ReleaseCheckAccess]:
+    """What the environment's check role needs for its release checks (none without them); the same in a hand
+    deploy and in the pipeline, so neither removes what the other granted."""
+    if env.release_checks is None:
+        return None
+    return ReleaseCheckAccess.for_stage(data_key=env.release_checks.data_key, stage=env.name,
+                                        baseline_stage=baseline_stage(settings.pipeline, settings.environments, env.name))
+
+
+def release_checks(env: EnvironmentSettings, settings: AppSettings) -> list:
+    """The stage checks of ``env`` in the pipeline: its gate and load check, or, on a prod stage, the promotion of
+    each earlier stage's gated report that compares with it."""
+    checks = []
+    if env.release_checks is not None:
+        rc = env.release_checks
+        load = rc.load
+        checks += gate_and_load_checks(
+            model_bucket=model_bucket_name(settings.project, env.name, env.account, env.region), data_key=rc.data_key,
+            endpoint_name=env.decision.endpoint_name, stage=env.name,
+            baseline_stage=baseline_stage(settings.pipeline, settings.environments, env.name),
+            gate_limits_json=rc.gate.to_json(),
+            load=LoadPlan(clients=load.clients, duration_s=load.duration_s, max_attempts=load.max_attempts,
+                          max_elapsed_s=load.max_elapsed_s, request_timeout_s=load.request_timeout_s,
+                          limits_json=load.limits.to_json()))
+    for name in settings.pipeline.stages:
+        gated = settings.environments[name]
+        if gated.release_checks is not None and baseline_stage(settings.pipeline, settings.environments, name) == env.name:
+            checks.append(promote_check(
+                model_bucket=model_bucket_name(settings.project, name, gated.account, gated.region), stage=name,
+                baseline_stage=env.name, role_arn=f"arn:aws:iam::{gated.account}:role/{pipeline_check_role_name(name)}",
+                region=gated.region))
+    return checks
 
 
 def _retention_name(days: int) -> str:
@@ -191,7 +229,8 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                 return StageStacks(decision=stacks.decision, endpoint_name_output=stacks.decision.endpoint_name_output,
                                    stacks=[s for s in (stacks.shared, stacks.decision, stacks.text) if s is not None],
                                    endpoint_names=[e.endpoint_name for e in endpoints],
-                                   alarm_names=[name for e in endpoints for name in e.alarm_names])
+                                   alarm_names=[name for e in endpoints for name in e.alarm_names],
+                                   outputs={MODEL_KEY_OUTPUT: stacks.shared.model_key_arn_output})
 
             # The manifest `semif-package-model upload` writes: in the prefix, or beside the .tar.gz.
             manifest = manifest_key(env.model_prefix)
@@ -201,7 +240,8 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                 check_role_arn=f"arn:aws:iam::{env.account}:role/{pipeline_check_role_name(name)}",
                 model_bucket=model_bucket_name(settings.project, name, env.account, env.region),
                 model_prefix=env.model_prefix, manifest_key=manifest,
-                chat_endpoint=env.text.endpoint_name if env.text else None, build=build))
+                chat_endpoint=env.text.endpoint_name if env.text else None, build=build,
+                checks=release_checks(env, settings)))
         by_name = {s.name: s for s in specs}
         PipelineStack(app, "SemIf-Pipeline", stack_name="semif-pipeline",
                       env=Environment(account=pipeline.account, region=pipeline.region),

@@ -114,6 +114,96 @@ class TextSettings(EndpointComputeSettings):
 
 
 @dataclass(frozen=True)
+class GatePolicySettings:
+    """The abstention policy whose coverage the gate measures (the thresholds your callers apply)."""
+
+    min_probability: float
+    min_margin: float
+    fallback: str
+
+
+@dataclass(frozen=True)
+class GateAbsoluteSettings:
+    """Limits on the candidate alone, over all of its cases; null switches one off."""
+
+    min_valid_share: float
+    min_accuracy: Optional[float]
+    max_ece: Optional[float]
+    min_policy_coverage: Optional[float]
+
+
+@dataclass(frozen=True)
+class GateChangeSettings:
+    """Limits on the change against the baseline (the release prod runs), over the cases both share."""
+
+    max_changed_share: Optional[float]
+    max_accuracy_drop: Optional[float]
+    max_ece_rise: Optional[float]
+    max_policy_coverage_drop: Optional[float]
+    min_shared_share: float
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """``semif.tools.gate.GateLimits``, field for field: the gate step hands ``to_json()`` to ``semif-eval --limits``."""
+
+    scoring: Literal["label", "sequence"]
+    policy: Optional[GatePolicySettings]
+    absolute: GateAbsoluteSettings
+    change: GateChangeSettings
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class LoadLimitSettings:
+    """``semif.tools.loadcheck.LoadLimits``, field for field; null switches one off."""
+
+    min_successes: int
+    min_throughput_rps: Optional[float]
+    max_p50_ms: Optional[float]
+    max_p95_ms: Optional[float]
+    max_p99_ms: Optional[float]
+    max_503_share: Optional[float]
+    max_attempts_per_success: Optional[float]
+    max_failed_share: Optional[float]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """A bounded run of ``semif-loadcheck``: ``clients`` requests in flight for ``duration_s``, each with the client's
+    retry policy (``max_attempts`` within ``max_elapsed_s``, ``request_timeout_s`` per attempt)."""
+
+    clients: int
+    duration_s: int
+    max_attempts: int
+    max_elapsed_s: float
+    request_timeout_s: float
+    limits: LoadLimitSettings
+
+    @property
+    def bound_s(self) -> float:
+        """The longest the measured run may last (``LoadPlan.bound_s``): a request started just before the end
+        may still retry."""
+        return self.duration_s + self.max_elapsed_s + self.request_timeout_s
+
+
+@dataclass(frozen=True)
+class ReleaseCheckSettings:
+    """The labeled regression gate and the load check the pipeline runs on this stage's decision endpoint after its
+    smoke test, before the next stage starts; their reports go to the stage's model bucket under ``reports/``."""
+
+    # The labeled decisions (JSON Lines), in this stage's model bucket under eval/.
+    data_key: str
+    gate: GateSettings
+    load: LoadSettings
+
+
+@dataclass(frozen=True)
 class EnvironmentSettings:
     name: str
     account: str
@@ -131,6 +221,8 @@ class EnvironmentSettings:
     inference_ami_version: Optional[str]
     decision: DecisionSettings
     text: Optional[TextSettings]
+    # Only on a stage that runs before a prod stage of its variant: the gate compares with that prod's release.
+    release_checks: Optional[ReleaseCheckSettings]
 
 
 @dataclass(frozen=True)
@@ -236,6 +328,12 @@ _ACCELERATOR_FAMILIES = re.compile(r"^(inf\d+|trn\d+|dl\d+)")
 _GPU_FAMILIES = re.compile(r"^(g\d+[a-z]*|p\d+[a-z]*)$")
 # Graviton families (c7g, m6gd, r8g, c7gn, ...): arm64, but the DLC variants configured here are x86-64 images.
 _ARM64_FAMILY = re.compile(r"^[a-z]+\d+g[a-z]*$")
+# The model bucket's layout for the release checks: labeled data under eval/, reports under reports/<stage>/.
+EVAL_PREFIX = "eval/"
+REPORTS_PREFIX = "reports/"
+_EVAL_DATA_KEY = re.compile(r"^eval/[A-Za-z0-9._/-]*[A-Za-z0-9_-]\.jsonl$")
+# The load check runs minutes, not hours: it gates a release, it is not a soak test.
+LOAD_DURATION_RANGE_S = (10, 900)
 # SageMaker's VariantInstanceProvisionTimeoutInSeconds range (botocore service model: min 300, max 3600).
 PROVISION_TIMEOUT_RANGE = (300, 3600)
 
@@ -289,12 +387,85 @@ def _check_environment(env: EnvironmentSettings) -> None:
                               f"cannot), got {env.inference_ami_version!r}")
     elif env.inference_ami_version is not None:
         raise ConfigError(f"{where}.inference_ami_version: only GPU variants set a host AMI; use null")
+    if env.release_checks is not None:
+        _check_release_checks(env, f"{where}.release_checks")
     if env.text is not None:
         for i, arn in enumerate(env.text.client_role_arns):
             if not _ROLE_ARN.match(arn):
                 raise ConfigError(f"{where}.text.client_role_arns[{i}]: '{arn}' is not an IAM role ARN")
         if not env.text.client_role_arns:
             raise ConfigError(f"{where}.text.client_role_arns: name at least one role that may call the chat endpoint")
+
+
+def _share(where: str, value: Optional[float]) -> None:
+    if value is not None and not 0 <= value <= 1:
+        raise ConfigError(f"{where}: {value:g} is a share; use 0 to 1 (or null to switch the limit off)")
+
+
+def _check_release_checks(env: EnvironmentSettings, where: str) -> None:
+    """The ranges ``semif.tools.gate.GateLimits`` and ``semif.tools.loadcheck.LoadLimits`` accept, checked at synth so
+    that a bad limit fails here, not in the pipeline's gate step after the deploy."""
+    checks = env.release_checks
+    if env.tier == "prod":
+        raise ConfigError(f"{where}: prod is what the gate compares with; run the checks on the stage before it "
+                          "(staging) and set null here")
+    if not _EVAL_DATA_KEY.match(checks.data_key):
+        raise ConfigError(f"{where}.data_key: '{checks.data_key}' must be a .jsonl key under {EVAL_PREFIX} "
+                          f"(e.g. {EVAL_PREFIX}decisions.jsonl)")
+    gate = checks.gate
+    if gate.policy is not None:
+        _share(f"{where}.gate.policy.min_probability", gate.policy.min_probability)
+        _share(f"{where}.gate.policy.min_margin", gate.policy.min_margin)
+        if not 1 <= len(gate.policy.fallback) <= 256:
+            raise ConfigError(f"{where}.gate.policy.fallback: 1 to 256 characters")
+    for name in ("min_valid_share", "min_accuracy", "max_ece", "min_policy_coverage"):
+        _share(f"{where}.gate.absolute.{name}", getattr(gate.absolute, name))
+    for name in ("max_changed_share", "max_accuracy_drop", "max_ece_rise", "max_policy_coverage_drop",
+                 "min_shared_share"):
+        _share(f"{where}.gate.change.{name}", getattr(gate.change, name))
+    if gate.policy is None:
+        for name, value in (("absolute.min_policy_coverage", gate.absolute.min_policy_coverage),
+                            ("change.max_policy_coverage_drop", gate.change.max_policy_coverage_drop)):
+            if value is not None:
+                raise ConfigError(f"{where}.gate.{name}: a coverage limit needs gate.policy (the thresholds whose "
+                                  "coverage it measures)")
+    load = checks.load
+    if not 1 <= load.clients <= 256:
+        raise ConfigError(f"{where}.load.clients: {load.clients} is outside 1-256")
+    if not LOAD_DURATION_RANGE_S[0] <= load.duration_s <= LOAD_DURATION_RANGE_S[1]:
+        raise ConfigError(f"{where}.load.duration_s: {load.duration_s} is outside {LOAD_DURATION_RANGE_S[0]}-"
+                          f"{LOAD_DURATION_RANGE_S[1]} s (the load check is a short, bounded run)")
+    if not 1 <= load.max_attempts <= 20:
+        raise ConfigError(f"{where}.load.max_attempts: {load.max_attempts} is outside 1-20")
+    for name in ("max_elapsed_s", "request_timeout_s"):
+        if not 0 < getattr(load, name) <= 600:
+            raise ConfigError(f"{where}.load.{name}: must be above 0 and at most 600 s")
+    limits = load.limits
+    if limits.min_successes < 0:
+        raise ConfigError(f"{where}.load.limits.min_successes: must be 0 or more")
+    if limits.min_throughput_rps is not None and limits.min_throughput_rps < 0:
+        raise ConfigError(f"{where}.load.limits.min_throughput_rps: must be 0 or more")
+    for name in ("max_p50_ms", "max_p95_ms", "max_p99_ms"):
+        value = getattr(limits, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{where}.load.limits.{name}: must be above 0 (or null)")
+    _share(f"{where}.load.limits.max_503_share", limits.max_503_share)
+    _share(f"{where}.load.limits.max_failed_share", limits.max_failed_share)
+    if limits.max_attempts_per_success is not None and limits.max_attempts_per_success < 1:
+        raise ConfigError(f"{where}.load.limits.max_attempts_per_success: at least 1 (every success costs an attempt)")
+
+
+def baseline_stage(pipeline: PipelineSettings, environments: Mapping[str, EnvironmentSettings], name: str) -> str:
+    """The prod stage whose running release the gate on stage ``name`` compares with: the first later stage of the
+    prod tier that runs the same image variant."""
+    stages = list(pipeline.stages)
+    later = stages[stages.index(name) + 1:] if name in stages else []
+    variant = environments[name].variant
+    for candidate in later:
+        if environments[candidate].tier == "prod" and environments[candidate].variant == variant:
+            return candidate
+    raise ConfigError(f"environments.{name}.release_checks: no later prod stage runs the {variant} image in "
+                      "pipeline.stages, so there is no release to compare with; list one after it, or set null")
 
 
 def _check_compute(env: EnvironmentSettings, where: str, endpoint: EndpointComputeSettings) -> None:
@@ -339,6 +510,9 @@ def _check_pipeline(pipeline: PipelineSettings, environments: Mapping[str, Envir
             raise ConfigError(f"pipeline.bake_before: '{baked}' must be a stage that runs before '{target}'")
     if not 0 <= pipeline.bake_minutes <= 480:
         raise ConfigError("pipeline.bake_minutes: must be 0 to 480")
+    for name in stages:
+        if environments[name].release_checks is not None:
+            baseline_stage(pipeline, environments, name)
     if pipeline.image_keep_last < 2:
         raise ConfigError("pipeline.image_keep_last: keep at least 2 images per environment (the one it runs and the "
                           "one it rolls back to)")

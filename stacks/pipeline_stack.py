@@ -1,13 +1,15 @@
 """CDK Pipelines: build the adapter images, synth, then one stage per environment with checks around it.
 
     Source → Build [Image-cpu, Image-gpu → Synth] → UpdatePipeline → Assets
-           → dev     [PreDeploy → shared → CheckModel → decision → text → Smoke → stage checks]
-           → staging [PreDeploy → shared → CheckModel → decision → Smoke → stage checks]       (GPU)
-           → prod    [Approve ‖ Bake(staging) → PreDeploy → shared → CheckModel → decision → text → Smoke]
+           → dev     [PreDeploy → shared → CheckModel → decision → text → Smoke]
+           → staging [PreDeploy → shared → CheckModel → decision → Smoke → Gate → LoadCheck]      (GPU)
+           → prod    [Approve ‖ Bake(staging) → PreDeploy → shared → CheckModel → decision → text → Smoke
+                      → PromoteBaseline]
 
 Each variant's image is built once, before any deploy, and every stage of that variant deploys the same
-digest (build once, promote the digest). The pipeline knows environments only as the stage specs
-``app.py`` hands it. What each step runs is in ``stacks/pipeline_steps.py``.
+digest (build once, promote the digest). Gate, LoadCheck and PromoteBaseline are stage checks
+(``stacks/release_checks.py``). The pipeline knows environments only as the stage specs ``app.py`` hands it.
+What each step runs is in ``stacks/pipeline_steps.py``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class StageStacks:
     endpoint_names: Sequence[str] = ()
     # The alarms of the stage's endpoints, by name: what a bake of this stage watches.
     alarm_names: Sequence[str] = ()
+    # Outputs of the stage's stacks a stage check may read, by name (``StageCheck.env_from_outputs``).
+    outputs: Mapping[str, CfnOutput] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -69,13 +73,21 @@ class StageCheck:
     A stage's checks run one after another, and all before the next stage begins (so before prod's approval when
     they check staging): a regression gate or a load check against the stage's endpoints, for example. What they
     may read and write (an eval prefix, a reports prefix) is granted to the check role by the shared stack.
+
+    ``role_arn`` and ``region`` make a check act in another environment (prod's stage promoting staging's gated
+    report, say); ``env_from_outputs`` maps environment variables to ``StageStacks.outputs`` of the stage it runs
+    in, read when the step runs. An ``env`` value holding a CodePipeline variable (``#{codepipeline.…}``) is
+    resolved per execution.
     """
 
     name: str
     commands: Sequence[str]
     install_commands: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    env_from_outputs: Mapping[str, str] = field(default_factory=dict)
     timeout: Duration = Duration.hours(1)
+    role_arn: Optional[str] = None
+    region: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -237,9 +249,16 @@ class PipelineStack(Stack):
             env_from_cfn_outputs={"ENDPOINT_NAME": stage.stacks.endpoint_name_output})
         steps: list[pipelines.Step] = [smoke]
         for check in spec.checks:
+            unknown = sorted(set(check.env_from_outputs.values()) - set(stage.stacks.outputs))
+            if unknown:
+                raise ValueError(f"stage check {check.name}: stage {spec.name} has no output {', '.join(unknown)} "
+                                 f"(it has {', '.join(sorted(stage.stacks.outputs)) or 'none'})")
             step = self._check_step(
-                f"{check.name}-{spec.name}", role_arn=spec.check_role_arn, region=spec.region, input=self.source,
+                f"{check.name}-{spec.name}", role_arn=check.role_arn or spec.check_role_arn,
+                region=check.region or spec.region, input=self.source,
                 env={"ENDPOINT_NAMES": " ".join(stage.stacks.endpoint_names), **check.env},
+                env_from_cfn_outputs={var: stage.stacks.outputs[name] for var, name in check.env_from_outputs.items()}
+                or None,
                 install_commands=list(check.install_commands),
                 commands=assume_role("CHECK_ROLE_ARN") + list(check.commands), timeout=check.timeout)
             step.add_step_dependency(steps[-1])

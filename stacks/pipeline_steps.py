@@ -137,3 +137,108 @@ def bake_commands() -> list[str]:
         '[ "$(date +%s)" -ge "$end" ] && break; sleep "${BAKE_POLL_SECONDS:-60}"; done',
         'echo "bake passed: every endpoint InService and no alarm fired"',
     ]
+
+
+# ---- the release checks: the labeled regression gate, the load check, and the baseline they compare with ----------
+
+# Where the steps install the operator tools: a virtualenv of its own, in the step's checkout of the repository.
+SEMIF_TOOLS_VENV = ".semif-tools"
+# The requirements of `semif[tools]` as the package itself pins them, without llama-cpp-python: a remote evaluation
+# scores nothing locally, and that dependency would compile llama.cpp in the step. Reads the installed metadata
+# (`pip install --no-deps ./container` first), so the pins stay in container/pyproject.toml.
+TOOLS_REQUIREMENTS = (  # no double quote, dollar sign or backslash: it runs inside a double-quoted shell word
+    "import importlib.metadata as m, re; "
+    "reqs = [(r.partition(';')[0].strip(), r.partition(';')[2]) for r in m.requires('semif') or []]; "
+    "print(*[n for n, marker in reqs "
+    "if re.match(r'[A-Za-z0-9._-]+', n).group(0).lower().replace('_', '-') != 'llama-cpp-python' "
+    "and (not marker.strip() or re.search(r'extra *== *.tools.', marker))], sep=chr(10))"
+)
+
+
+def semif_tools_install_commands() -> list[str]:
+    """Install `semif-eval` and `semif-loadcheck` into ``SEMIF_TOOLS_VENV``, with the project's pins and no llama.cpp."""
+    return [
+        f"python3 -m venv {SEMIF_TOOLS_VENV}",
+        f"{SEMIF_TOOLS_VENV}/bin/pip install --quiet --no-deps ./container",
+        f'{SEMIF_TOOLS_VENV}/bin/python -c "{TOOLS_REQUIREMENTS}" > {SEMIF_TOOLS_VENV}/requirements.txt',
+        f"{SEMIF_TOOLS_VENV}/bin/pip install --quiet -r {SEMIF_TOOLS_VENV}/requirements.txt",
+    ]
+
+
+def gate_commands() -> list[str]:
+    """The labeled regression gate: the stage's labeled decisions through its decision endpoint (`semif-eval`), judged
+    against the gate's limits and, when there is one, against the report of the release prod runs now.
+
+    Reads ``MODEL_BUCKET``, ``EVAL_DATA_KEY``, ``ENDPOINT_NAME``, ``AWS_DEFAULT_REGION``, ``MODEL_KEY_ARN``,
+    ``GATE_LIMITS`` (JSON), ``REPORT_PREFIX`` and ``RELEASE_ID`` (the report goes to
+    ``s3://$MODEL_BUCKET/$REPORT_PREFIX$RELEASE_ID/``) and ``BASELINE_KEY`` (prod's report). Runs as the stage's check
+    role, after ``semif_tools_install_commands``.
+
+    Whether the baseline exists is asked with a listing of exactly that key (ListObjectsV2, which an ``s3:prefix``
+    condition governs), not read from a GetObject error: without an unconditional s3:ListBucket, S3 answers a missing
+    object with 403, as it answers a refused one. A listing that fails fails the step; a baseline that is listed is
+    read without ``--allow-missing-baseline``, so a baseline that cannot be read fails it too.
+    """
+    return [
+        'report="s3://${MODEL_BUCKET}/${REPORT_PREFIX}${RELEASE_ID}/"; baseline="s3://${MODEL_BUCKET}/${BASELINE_KEY}"; '
+        'keys="$(aws s3api list-objects-v2 --bucket "$MODEL_BUCKET" --prefix "$BASELINE_KEY" '
+        '--query "Contents[].Key" --output text)" || { echo "cannot list ${baseline}: the gate cannot tell a first '
+        'release from a missing baseline" >&2; exit 1; }; '
+        'if printf "%s\\n" $keys | grep -qxF "$BASELINE_KEY"; then echo "baseline: ${baseline} (the release prod runs)"; '
+        'set -- --baseline "$baseline"; '
+        'else echo "no baseline at ${baseline}: a first release, gated on the absolute limits alone"; set --; fi; '
+        'status=0; '
+        f'{SEMIF_TOOLS_VENV}/bin/semif-eval "s3://${{MODEL_BUCKET}}/${{EVAL_DATA_KEY}}" --endpoint "$ENDPOINT_NAME" '
+        '--region "$AWS_DEFAULT_REGION" --no-contextual --no-progress --kms-key-id "$MODEL_KEY_ARN" --out "$report" '
+        '--limits "$GATE_LIMITS" "$@" || status=$?; '
+        'case "$status" in 0) echo "gate passed; report: ${report}report.json" ;; '
+        '1) echo "gate FAILED: a limit was exceeded (the table above names it; the report ${report}report.json has '
+        'it under gate.failed); see docs/evaluation.md, When the gate fails" >&2; exit 1 ;; '
+        '*) echo "gate could not run (semif-eval exit ${status}: 2 bad data, limits or baseline, 3 the endpoint '
+        'could not be opened); no verdict was written" >&2; exit "$status" ;; esac',
+    ]
+
+
+def load_check_commands() -> list[str]:
+    """A bounded load on the stage's decision endpoint (`semif-loadcheck`), with the client's retry policy, held
+    against the load limits; `loadcheck.json` goes beside the gate's report.
+
+    Reads ``MODEL_BUCKET``, ``EVAL_DATA_KEY``, ``ENDPOINT_NAME``, ``AWS_DEFAULT_REGION``, ``MODEL_KEY_ARN``,
+    ``REPORT_PREFIX``, ``RELEASE_ID``, ``LOAD_CLIENTS``, ``LOAD_DURATION_S``, ``LOAD_MAX_ATTEMPTS``,
+    ``LOAD_MAX_ELAPSED_S``, ``LOAD_REQUEST_TIMEOUT_S``, ``LOAD_LIMITS`` (JSON) and ``LOAD_BOUND_S``. The tool stops by
+    itself (no request starts after the duration; one in flight ends within its retry budget); ``LOAD_BOUND_S`` is a
+    hard stop beyond that, by SIGINT, on which the tool stops sending at once.
+    """
+    return [
+        'report="s3://${MODEL_BUCKET}/${REPORT_PREFIX}${RELEASE_ID}/"; status=0; '
+        f'timeout --signal=INT --kill-after=30 "$LOAD_BOUND_S" {SEMIF_TOOLS_VENV}/bin/semif-loadcheck '
+        '--endpoint "$ENDPOINT_NAME" --region "$AWS_DEFAULT_REGION" --data "s3://${MODEL_BUCKET}/${EVAL_DATA_KEY}" '
+        '--clients "$LOAD_CLIENTS" --duration-s "$LOAD_DURATION_S" --max-attempts "$LOAD_MAX_ATTEMPTS" '
+        '--max-elapsed-s "$LOAD_MAX_ELAPSED_S" --request-timeout-s "$LOAD_REQUEST_TIMEOUT_S" --limits "$LOAD_LIMITS" '
+        '--out "$report" --kms-key-id "$MODEL_KEY_ARN" --no-progress || status=$?; '
+        'case "$status" in 0) echo "load check passed; report: ${report}loadcheck.json" ;; '
+        '1) echo "load check FAILED: a limit was exceeded (the table above names it; ${report}loadcheck.json has '
+        'it under verdict.failed)" >&2; exit 1 ;; '
+        '124|130|137) echo "load check stopped after ${LOAD_BOUND_S}s, past its bound" >&2; exit 1 ;; '
+        '*) echo "load check could not run (semif-loadcheck exit ${status}: 2 bad data or limits, 3 the endpoint '
+        'could not be opened)" >&2; exit "$status" ;; esac',
+    ]
+
+
+def promote_baseline_commands() -> list[str]:
+    """Once prod runs the release and answered its smoke test: the report the gate passed becomes the next release's
+    baseline. Reads ``MODEL_BUCKET`` (the gated stage's bucket), ``REPORT_PREFIX``, ``RELEASE_ID`` and
+    ``BASELINE_KEY``; runs as the gated stage's check role. The report is checked to carry a passing verdict first,
+    and the file checked is the one written; S3 encrypts it with the bucket's default key (the model key)."""
+    return [
+        'report="s3://${MODEL_BUCKET}/${REPORT_PREFIX}${RELEASE_ID}/report.json"; '
+        'baseline="s3://${MODEL_BUCKET}/${BASELINE_KEY}"',
+        'aws s3 cp "$report" gated-report.json --only-show-errors || { echo "no readable report at ${report}: '
+        'this execution\'s gate wrote none, or it cannot be read (to this role S3 answers a missing object with 403)" '
+        '>&2; exit 1; }',
+        "python3 -c \"import json; g = json.load(open('gated-report.json')).get('gate') or {}; "
+        "assert g.get('passed') is True, 'the report carries no passing gate verdict: not promoted'; "
+        "print('gate verdict: passed')\"",
+        'aws s3 cp gated-report.json "$baseline" --content-type application/json --only-show-errors',
+        'echo "prod runs this release: ${report} is the baseline now (${baseline})"',
+    ]

@@ -32,9 +32,13 @@ class SharedStack(Stack):
     def __init__(self, scope: Construct, id_: str, *, env_name: str, model_bucket_name: str, model_prefix: str,
                  alarm_email: Optional[str] = None, removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
                  pipeline_check_principal_arn: Optional[str] = None, endpoint_names: tuple[str, ...] = (),
-                 check_reads: Sequence[str] = (), check_writes: Sequence[str] = (), **kwargs) -> None:
-        """``check_reads`` / ``check_writes``: prefixes of the model bucket (``eval/``, ``reports/``) the pipeline's
-        stage checks (``stacks.pipeline_stack.StageCheck``) read or write as this environment's check role."""
+                 check_reads: Sequence[str] = (), check_writes: Sequence[str] = (), check_lists: Sequence[str] = (),
+                 check_describes_endpoint_configs: bool = False, **kwargs) -> None:
+        """What the pipeline's stage checks (``stacks.pipeline_stack.StageCheck``) may do as this environment's check
+        role, in the model bucket: ``check_reads`` / ``check_writes``, keys (``eval/decisions.jsonl``) or prefixes
+        ending in '/' (``reports/staging/``) they read or write, with the model key; ``check_lists``, the exact key
+        prefixes they may list (``s3:prefix``). ``check_describes_endpoint_configs``: they may read the endpoint
+        configs (the instance types an evaluation records)."""
         super().__init__(scope, id_, **kwargs)
         self.models = ModelBucket(self, "Models", bucket_name=model_bucket_name, removal_policy=removal_policy,
                                   auto_delete_objects=removal_policy == RemovalPolicy.DESTROY)
@@ -79,7 +83,10 @@ class SharedStack(Stack):
         if pipeline_check_principal_arn:
             self.pipeline_check_role = self._pipeline_check_role(env_name, model_prefix, pipeline_check_principal_arn,
                                                                  endpoint_names)
-            self._grant_check_prefixes(self.pipeline_check_role, reads=check_reads, writes=check_writes)
+            self._grant_check_access(self.pipeline_check_role, reads=check_reads, writes=check_writes,
+                                     lists=check_lists)
+            if check_describes_endpoint_configs:
+                self._grant_endpoint_config_reads(self.pipeline_check_role)
 
         publish(self, env_name=env_name, key="model-bucket/name", value=self.models.bucket.bucket_name,
                 description="S3 bucket holding models under models/<name>/<version>/")
@@ -87,28 +94,45 @@ class SharedStack(Stack):
                 description="Model prefix the endpoints serve")
         publish(self, env_name=env_name, key="alarm-topic-arn", value=self.alarm_topic.topic_arn,
                 description="SNS topic receiving the endpoints' alarms")
+        # The key the release checks name when they write reports (S3 applies the AWS managed key otherwise).
+        self.model_key_arn_output = publish(self, env_name=env_name, key="model-bucket/key-arn",
+                                            value=self.models.key.key_arn,
+                                            description="KMS key of the model bucket (SSE-KMS for objects written to it)")
 
-    def _grant_check_prefixes(self, role: iam.Role, *, reads: Sequence[str], writes: Sequence[str]) -> None:
-        """Read (and list) the objects under each of ``reads``, write under each of ``writes``, with the model key."""
-        for prefix in (*reads, *writes):
-            if not prefix.endswith("/") or prefix.startswith("/"):
-                raise ValueError(f"check prefix {prefix!r}: a key prefix of the model bucket ending in '/'")
+    def _grant_check_access(self, role: iam.Role, *, reads: Sequence[str], writes: Sequence[str],
+                            lists: Sequence[str]) -> None:
+        """Read the objects of ``reads`` and write those of ``writes`` (keys, or prefixes ending in '/'), with the
+        model key; list exactly the key prefixes of ``lists``."""
+        for location in (*reads, *writes, *lists):
+            if not location or location.startswith("/") or "*" in location:
+                raise ValueError(f"check location {location!r}: a key, or a key prefix ending in '/', of the model "
+                                 "bucket (no leading '/', no wildcard)")
+        pattern = lambda location: f"{location}*" if location.endswith("/") else location  # noqa: E731
         if reads:
             role.add_to_policy(iam.PolicyStatement(
-                actions=["s3:GetObject"], resources=[self.models.bucket.arn_for_objects(f"{p}*") for p in reads]))
+                actions=["s3:GetObject"], resources=[self.models.bucket.arn_for_objects(pattern(p)) for p in reads]))
+        if lists:
             role.add_to_policy(iam.PolicyStatement(
                 actions=["s3:ListBucket"], resources=[self.models.bucket.bucket_arn],
-                conditions={"StringLike": {"s3:prefix": [f"{p}*" for p in reads]}}))
+                conditions={"StringEquals": {"s3:prefix": list(lists)}}))
         if writes:
             role.add_to_policy(iam.PolicyStatement(
-                actions=["s3:PutObject", "s3:AbortMultipartUpload"],
-                resources=[self.models.bucket.arn_for_objects(f"{p}*") for p in writes]))
+                actions=["s3:PutObject"], resources=[self.models.bucket.arn_for_objects(pattern(p)) for p in writes]))
             role.add_to_policy(iam.PolicyStatement(actions=["kms:GenerateDataKey"],
                                                    resources=[self.models.key.key_arn]))
-        for prefix in (*reads, *writes):
-            acknowledge_wildcard_resource(role, self.models.bucket.arn_for_objects(f"{prefix}*"),
-                                          f"The pipeline's stage checks read or write the objects under {prefix}, "
-                                          "whose names each run chooses.")
+        for location in sorted({p for p in (*reads, *writes) if p.endswith("/")}):
+            acknowledge_wildcard_resource(role, self.models.bucket.arn_for_objects(f"{location}*"),
+                                          f"The pipeline's stage checks read or write the objects under {location}, "
+                                          "one folder per pipeline execution, whose id each run brings.")
+
+    def _grant_endpoint_config_reads(self, role: iam.Role) -> None:
+        """DescribeEndpointConfig on this account's and region's endpoint configs: CloudFormation names an endpoint
+        config itself (a new name on every replacement), so no narrower ARN names it before it exists."""
+        configs = self.format_arn(service="sagemaker", resource="endpoint-config", resource_name="*")
+        role.add_to_policy(iam.PolicyStatement(actions=["sagemaker:DescribeEndpointConfig"], resources=[configs]))
+        acknowledge_wildcard_resource(
+            role, configs, "Read-only: the release checks record the instance types of the endpoint's current config, "
+            "whose name CloudFormation generates on every replacement; InvokeEndpoint stays on the named endpoints.")
 
     def _pipeline_check_role(self, env_name: str, model_prefix: str, principal_arn: str,
                              endpoint_names: tuple[str, ...]) -> iam.Role:

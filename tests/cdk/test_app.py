@@ -407,7 +407,7 @@ def test_shared_stack_deploys_and_the_model_is_checked_before_any_endpoint(pipel
                                     f"semif-{env}-pipeline-check")
     reads = json.dumps(_allowed(statements, "s3:GetObject"))
     assert f"/{variables['MODEL_PREFIX']}model-manifest.json" in reads and f"/{variables['MODEL_PREFIX']}*.gguf" in reads
-    (listing,) = [s for s in statements if s["Action"] == "s3:ListBucket"]
+    (listing,) = [s for s in statements if s["Action"] == "s3:ListBucket" and variables["MODEL_PREFIX"] in json.dumps(s)]
     assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"{variables['MODEL_PREFIX']}model-manifest.json",
                                                                   f"{variables['MODEL_PREFIX']}*.gguf"]}}
 

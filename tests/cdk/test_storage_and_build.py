@@ -145,26 +145,36 @@ def test_pipeline_check_role_trusts_one_named_pipeline_role_and_reads_only_the_m
     assert "alarm:semif-test-decision-*" in policy
 
 
-def test_stage_checks_read_and_write_only_the_prefixes_the_shared_stack_names_for_them():
-    template = shared_stack(check_reads=("eval/",), check_writes=("reports/",))
+def test_stage_checks_read_write_and_list_only_the_keys_and_prefixes_the_shared_stack_names_for_them():
+    template = shared_stack(check_reads=("eval/decisions.jsonl", "reports/test/"),
+                            check_writes=("reports/test/", "reports/prod/report.json"),
+                            check_lists=("reports/prod/report.json",), check_describes_endpoint_configs=True)
     statements = [s for k, p in template.find_resources("AWS::IAM::Policy").items() if k.startswith("PipelineCheckRole")
                   for s in p["Properties"]["PolicyDocument"]["Statement"]]
-    by_action = {}
-    for statement in statements:
-        for action in statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]:
-            by_action.setdefault(action, []).append(json.dumps(statement["Resource"]))
-    assert any("/eval/*" in r for r in by_action["s3:GetObject"])
-    assert all("/reports/" not in r for r in by_action["s3:GetObject"])
-    assert [r for r in by_action["s3:PutObject"]] == [r for r in by_action["s3:PutObject"] if "/reports/*" in r]
-    assert len(by_action["s3:PutObject"]) == 1
-    listing = [s for s in statements if s["Action"] == "s3:ListBucket" and "eval/*" in json.dumps(s)]
-    assert listing and listing[0]["Condition"] == {"StringLike": {"s3:prefix": ["eval/*"]}}
-    # Without stage checks, the role writes nothing.
+
+    def resources(action: str) -> list[str]:
+        return sorted(json.dumps(r) for s in statements if action in (s["Action"] if isinstance(s["Action"], list)
+                                                                        else [s["Action"]])
+                      for r in (s["Resource"] if isinstance(s["Resource"], list) else [s["Resource"]]))
+
+    reads = [r for r in resources("s3:GetObject") if "models/" not in r]  # the model check's own reads aside
+    assert len(reads) == 2 and any('/eval/decisions.jsonl"' in r for r in reads) and any('/reports/test/*"' in r for r in reads)
+    writes = resources("s3:PutObject")
+    assert len(writes) == 2 and any('/reports/test/*"' in r for r in writes)
+    assert any('/reports/prod/report.json"' in r for r in writes)
+    listing = [s for s in statements if s["Action"] == "s3:ListBucket" and "reports/" in json.dumps(s)]
+    # Exactly the key: whether it exists, and nothing else of the folder.
+    assert [s["Condition"] for s in listing] == [{"StringEquals": {"s3:prefix": ["reports/prod/report.json"]}}]
+    assert [r for r in resources("sagemaker:DescribeEndpointConfig")] == [json.dumps({"Fn::Join": ["", [
+        "arn:", {"Ref": "AWS::Partition"}, ":sagemaker:us-east-1:123456789012:endpoint-config/*"]]})]
+    assert any("GenerateDataKey" in json.dumps(s["Action"]) for s in statements)
+    # Without stage checks, the role writes nothing and reads no endpoint config.
     plain = json.dumps([p for k, p in shared_stack().find_resources("AWS::IAM::Policy").items()
                         if k.startswith("PipelineCheckRole")])
-    assert "s3:PutObject" not in plain
-    with pytest.raises(ValueError, match="ending in '/'"):
-        shared_stack(check_writes=("reports",))
+    assert "s3:PutObject" not in plain and "DescribeEndpointConfig" not in plain
+    for bad in ("/reports/", "reports/*", ""):
+        with pytest.raises(ValueError, match="a key, or a key prefix ending in '/'"):
+            shared_stack(check_writes=(bad,))
 
 
 def test_for_a_tarball_the_pipeline_check_role_reads_the_manifest_beside_it_as_the_model_check_does():

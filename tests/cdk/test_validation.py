@@ -378,7 +378,7 @@ def test_the_deploy_doc_says_what_to_do_for_each_failure_in_the_order_a_release_
             line.startswith("| Source")]
     order = ["Source", "`Image-<variant>`", "`Synth`", "`PreDeploy-<env>`", "`semif-<env>-shared`",
              "`CheckModel-<env>`", "`semif-<env>-decision`", "`semif-<env>-text`", "`Smoke-<env>`",
-             "`Bake-staging-before-prod`"]
+             "`Gate-staging`", "`LoadCheck-staging`", "`Bake-staging-before-prod`", "`PromoteBaseline-prod`"]
     assert [r for i, r in enumerate(rows) if i == 0 or rows[i - 1] != r] == order
     assert "--retry-mode ALL_ACTIONS" in section and "ChangeSet does not exist" in section
 
