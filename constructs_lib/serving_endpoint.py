@@ -238,7 +238,7 @@ class ServingEndpoint(Construct):
             scalable_dimension="sagemaker:variant:DesiredInstanceCount",
             min_capacity=compute.min_instances,
             max_capacity=compute.max_instances,
-            # SageMaker variants scale through Application Auto Scaling's service-linked role.
+            # Imported only so that CDK creates no role of its own; RoleARN is dropped below.
             role=iam.Role.from_role_arn(
                 self, "ScalingRole",
                 f"arn:{stack.partition}:iam::{stack.account}:role/aws-service-role/"
@@ -246,6 +246,10 @@ class ServingEndpoint(Construct):
                 "AWSServiceRoleForApplicationAutoScaling_SageMakerEndpoint",
                 mutable=False),
         )
+        # No RoleARN: Application Auto Scaling then uses its service-linked role for SageMaker and creates it when
+        # the account has none (RegisterScalableTarget). Naming the role fails on an account that never had it
+        # ("Unable to assume IAM role"), and AWS::IAM::ServiceLinkedRole fails in the second stack that declares it.
+        self.scalable_target.node.default_child.add_property_deletion_override("RoleARN")
         self.scalable_target.node.add_dependency(self.cfn_endpoint)
         # Requests in flight (running + queued), reported every 10 s: it rises as soon as the queue does, where
         # InvocationsPerInstance (per minute, blind to request cost) reacts after the queue already answers 503.

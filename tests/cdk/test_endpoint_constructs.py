@@ -227,7 +227,11 @@ def test_autoscaling_tracks_concurrent_requests_with_the_high_resolution_metric(
     assert target["ResourceId"] == "endpoint/gpu-decision/variant/AllTraffic"
     assert target["ScalableDimension"] == "sagemaker:variant:DesiredInstanceCount"
     assert (target["MinCapacity"], target["MaxCapacity"]) == (2, 4)
-    assert "AWSServiceRoleForApplicationAutoScaling_SageMakerEndpoint" in json.dumps(target["RoleARN"])
+    # Application Auto Scaling uses (and on a fresh account creates) its SageMaker service-linked role itself.
+    assert "RoleARN" not in target
+    assert not [r for r in stacks["gpu"].find_resources("AWS::IAM::Role").values()
+                if "application-autoscaling" in json.dumps(r["Properties"]["AssumeRolePolicyDocument"])]
+    stacks["gpu"].resource_count_is("AWS::IAM::ServiceLinkedRole", 0)
     policy = only(stacks["gpu"], "AWS::ApplicationAutoScaling::ScalingPolicy")["Properties"]
     tracking = policy["TargetTrackingScalingPolicyConfiguration"]
     assert tracking["PredefinedMetricSpecification"]["PredefinedMetricType"] == (
