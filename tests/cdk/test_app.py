@@ -255,7 +255,11 @@ def test_chat_client_role_trusts_the_named_app_roles_only(prod_assembly):
     (role,) = [r["Properties"] for k, r in template.find_resources("AWS::IAM::Role").items()
                if k.startswith("ChatClientRole")]
     (statement,) = role["AssumeRolePolicyDocument"]["Statement"]
-    assert statement["Principal"] == {"AWS": "arn:aws:iam::222222222222:role/semif-prod-chat-app"}
+    # The app role's account, narrowed to the named role by ARN: no role principal that IAM would resolve (and
+    # refuse while the app role does not exist, or stop matching once it is re-created).
+    assert statement["Principal"] == {"AWS": {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"},
+                                                                ":iam::222222222222:root"]]}}
+    assert statement["Condition"] == {"ArnEquals": {"aws:PrincipalArn": ["arn:aws:iam::222222222222:role/semif-prod-chat-app"]}}
 
 
 # ---- pipeline ----
