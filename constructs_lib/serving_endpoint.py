@@ -5,7 +5,7 @@ fixed name, autoscaling, the endpoint's log group and the alarms every endpoint 
 Model and EndpointConfig names are left to CloudFormation: a new image digest or setting makes
 a new EndpointConfig, and CloudFormation updates the endpoint in place. The update keeps the
 variant's current instance count (RetainAllVariantProperties) and shifts traffic blue/green
-(canary when the fleet has two or more instances), rolling back on the error and latency alarms.
+(canary when the fleet has two or more instances), rolling back on one-minute error and latency alarms.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from aws_cdk import (
 from constructs import Construct
 
 from constructs_lib.adapter_metrics import AdapterLogMetrics, adapter_log_metrics
-from constructs_lib.endpoint_alarms import (INSTANCE_ALARMS, EndpointAlarmThresholds, alarm_name, notify,
-                                           sagemaker_endpoint_alarms)
+from constructs_lib.endpoint_alarms import (INSTANCE_ALARMS, ROLLBACK_ALARMS, EndpointAlarmThresholds, alarm_name,
+                                           notify, sagemaker_endpoint_alarms)
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.image_sources import ContainerImageSource
 from constructs_lib.model_bucket import grant_model_read
@@ -45,7 +45,6 @@ CANARY_BAKE_S = 600
 TERMINATION_WAIT_S = 600
 # A GPU fleet may wait for capacity through several pools (VariantInstanceProvisionTimeoutInSeconds each).
 MAX_DEPLOYMENT_S = 3 * 3600
-ROLLBACK_ALARMS = ("server_errors", "model_latency_p95")
 
 
 def endpoint_log_group_name(endpoint_name: str) -> str:
@@ -182,6 +181,16 @@ class ServingEndpoint(Construct):
                 treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
             ), alarm_topic)
 
+        # Plain names, known at synth, not the alarms' Ref tokens.
+        self.rollback_alarm_names: list[str] = [self.alarms[k].node.default_child.alarm_name for k in ROLLBACK_ALARMS]
+        # SageMaker reads the rollback alarms with the execution role. ARNs from the fixed names: the alarms'
+        # own ARN attributes would tie the role's policy, which the Model waits for, to resources created later.
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["cloudwatch:DescribeAlarms"],
+            resources=[stack.format_arn(service="cloudwatch", resource="alarm", resource_name=name,
+                                        arn_format=ArnFormat.COLON_RESOURCE_NAME)
+                       for name in self.rollback_alarm_names]))
+
         self.cfn_endpoint = sagemaker.CfnEndpoint(
             self,
             "Endpoint",
@@ -224,8 +233,7 @@ class ServingEndpoint(Construct):
                 traffic_routing_configuration=routing, termination_wait_in_seconds=TERMINATION_WAIT_S,
                 maximum_execution_timeout_in_seconds=MAX_DEPLOYMENT_S),
             auto_rollback_configuration=sagemaker.CfnEndpoint.AutoRollbackConfigProperty(alarms=[
-                sagemaker.CfnEndpoint.AlarmProperty(alarm_name=alarm_name(self.endpoint_name, kind))
-                for kind in ("server-errors", "latency-p95")]),
+                sagemaker.CfnEndpoint.AlarmProperty(alarm_name=name) for name in self.rollback_alarm_names]),
         )
 
     def _autoscaling(self, stack: Stack, compute: EndpointCompute) -> None:
