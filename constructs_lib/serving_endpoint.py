@@ -310,9 +310,14 @@ def grant_model_runtime(scope: Construct, role: iam.Role, *, image: ContainerIma
 
 
 def isolated_model(scope: Construct, *, role: iam.Role, image_uri: str, bucket_name: str, model_prefix: str,
-                   environment: Mapping[str, str]) -> sagemaker.CfnModel:
+                   environment: Mapping[str, str], model_data_url_key: Optional[str] = None) -> sagemaker.CfnModel:
     """A network-isolated SageMaker Model of one image and one model prefix, created after its role's policy
-    (SageMaker checks the role's access when it creates the model). The endpoint and Batch Transform share it."""
+    (SageMaker checks the role's access when it creates the model). The endpoint and Batch Transform share it.
+
+    ``model_data_url_key``: the ``model.tar.gz`` to name as ModelDataUrl instead of a ModelDataSource, for Batch
+    Transform, which refuses a Model whose container uses ModelDataSource."""
+    model_data = (_model_data(bucket_name, model_prefix) if model_data_url_key is None
+                  else {"model_data_url": f"s3://{bucket_name}/{model_data_url_key}"})
     model = sagemaker.CfnModel(
         scope,
         "Model",
@@ -322,7 +327,7 @@ def isolated_model(scope: Construct, *, role: iam.Role, image_uri: str, bucket_n
             image=image_uri,
             mode="SingleModel",
             environment=dict(environment),
-            **_model_data(bucket_name, model_prefix),
+            **model_data,
         ),
     )
     model.node.add_dependency(role.node.find_child("DefaultPolicy"))

@@ -401,19 +401,22 @@ def test_shared_stack_deploys_and_the_model_is_checked_before_any_endpoint(pipel
     # The model check custom resource's own check (manifest schema, GGUF size and checksum), from the checkout.
     spec = _project(pipeline_template, check)["Source"]["BuildSpec"]
     assert ('python3 lambda/model_check/handler.py --bucket \\"$MODEL_BUCKET\\" --model-prefix \\"$MODEL_PREFIX\\" '
-            '--manifest-key \\"$MANIFEST_KEY\\"') in spec
+            '--manifest-key \\"$MANIFEST_KEY\\" --transform-tarball') in spec
     assert len(check["InputArtifacts"]) == 1
     variables = _variables(pipeline_template, check)
     assert variables["MANIFEST_KEY"] == variables["MODEL_PREFIX"] + "model-manifest.json"
     assert variables["CHECK_ROLE_ARN"].endswith(f":role/semif-{env}-pipeline-check")
-    # The check role reads what the handler reads: the manifest and the prefix's GGUFs, and lists those keys.
+    # The check role reads what the handler reads: the manifest, the prefix's GGUFs and Batch Transform's tarball
+    # beside the prefix, and lists those keys.
     statements = _policy_statements(templates(pipeline_assembly[1])[f"semif-{env}-shared"],
                                     f"semif-{env}-pipeline-check")
     reads = json.dumps(_allowed(statements, "s3:GetObject"))
+    tarball = variables["MODEL_PREFIX"].rstrip("/") + ".tar.gz"
     assert f"/{variables['MODEL_PREFIX']}model-manifest.json" in reads and f"/{variables['MODEL_PREFIX']}*.gguf" in reads
+    assert f"/{tarball}" in reads
     (listing,) = [s for s in statements if s["Action"] == "s3:ListBucket"]
     assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"{variables['MODEL_PREFIX']}model-manifest.json",
-                                                                  f"{variables['MODEL_PREFIX']}*.gguf"]}}
+                                                                  f"{variables['MODEL_PREFIX']}*.gguf", tarball]}}
 
 
 @pytest.mark.parametrize("env,variant", [("dev", "cpu"), ("staging", "gpu"), ("prod", "gpu")])
