@@ -43,7 +43,8 @@ VARIANT_NAME = "AllTraffic"
 # the traffic moves, and how long the old fleet stays up for a rollback afterwards.
 CANARY_BAKE_S = 600
 TERMINATION_WAIT_S = 600
-# A GPU fleet may wait for capacity through several pools (VariantInstanceProvisionTimeoutInSeconds each).
+# A GPU fleet may wait for capacity (VariantInstanceProvisionTimeoutInSeconds, at most 1 h, shared by all its
+# pools), then download the model and start: a blue/green update gets three hours in all.
 MAX_DEPLOYMENT_S = 3 * 3600
 
 

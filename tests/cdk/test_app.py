@@ -147,7 +147,8 @@ def test_prod_decision_endpoint_uses_gpu_pools_and_the_promoted_adapter_image(pr
                           {"InstanceType": "ml.g6.xlarge", "Priority": 2},
                           {"InstanceType": "ml.g5.xlarge", "Priority": 3},
                           {"InstanceType": "ml.g4dn.xlarge", "Priority": 4}],
-        "VariantInstanceProvisionTimeoutInSeconds": 1800,
+        # One timeout for the whole variant, shared by its four pools: SageMaker's maximum.
+        "VariantInstanceProvisionTimeoutInSeconds": 3600,
         "InitialInstanceCount": 2,
         "InferenceAmiVersion": "al2023-ami-sagemaker-inference-gpu-4-1",
     })]})
