@@ -1,5 +1,11 @@
 """What a SageMaker Batch Transform job on the decision model needs: a Model (the endpoint's digest-pinned
-image, model data and adapter environment) whose execution role is the transform role.
+image, model and adapter environment) whose execution role is the transform role.
+
+CreateTransformJob refuses a Model whose container uses ModelDataSource, which the endpoint's Model uses for an
+uncompressed model prefix; this Model names a ``model.tar.gz`` as ModelDataUrl instead: the tarball
+`semif-package-model upload` writes beside the prefix (``<version>.tar.gz``), or the model itself when the prefix
+is a ``.tar.gz``. The decision stack's model check fails the deploy unless that tarball is there as its manifest
+records it.
 
 CreateTransformJob takes no role: a job runs with its Model's execution role. A Model of its own keeps
 the batch grants off the endpoint's role, and the role holds exactly what a job does: run the model
@@ -17,6 +23,7 @@ from constructs import Construct
 
 from constructs_lib.image_sources import ContainerImageSource
 from constructs_lib.model_bucket import BATCH_ROOT
+from constructs_lib.model_check import transform_tarball_key
 from constructs_lib.nag import acknowledge_wildcard_resource
 from constructs_lib.serving_endpoint import grant_model_runtime, isolated_model
 
@@ -45,10 +52,20 @@ class BatchTransform(Construct):
         # Run the model: the same grants as the endpoint's role.
         image_uri = grant_model_runtime(self, self.role, image=image, model_bucket=model_bucket, model_key=model_key,
                                         model_prefix=model_prefix)
+        self.model_data_key = transform_tarball_key(model_prefix)
+        if self.model_data_key != model_prefix:
+            self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"],
+                                                        resources=[model_bucket.arn_for_objects(self.model_data_key)]))
+        log_group = stack.format_arn(service="logs", resource="log-group", resource_name=TRANSFORM_LOG_GROUP,
+                                     arn_format=ArnFormat.COLON_RESOURCE_NAME)
         log_streams = stack.format_arn(service="logs", resource="log-group", resource_name=f"{TRANSFORM_LOG_GROUP}:*",
                                        arn_format=ArnFormat.COLON_RESOURCE_NAME)
+        # CreateLogGroup names the group's own ARN (and, as some callers see it, the group with ':*'); the
+        # streams' actions are on ':*' below it.
+        self.role.add_to_policy(iam.PolicyStatement(actions=["logs:CreateLogGroup"],
+                                                    resources=[log_group, log_streams]))
         self.role.add_to_policy(iam.PolicyStatement(
-            actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+            actions=["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
             resources=[log_streams],
         ))
         acknowledge_wildcard_resource(self.role, log_streams, "SageMaker names one log stream per transform "
@@ -78,5 +95,6 @@ class BatchTransform(Construct):
         iam.Grant.add_to_principal(grantee=self.role, actions=["kms:GenerateDataKey"], resource_arns=[model_key.key_arn])
 
         self.cfn_model = isolated_model(self, role=self.role, image_uri=image_uri, bucket_name=model_bucket.bucket_name,
-                                        model_prefix=model_prefix, environment=environment)
+                                        model_prefix=model_prefix, environment=environment,
+                                        model_data_url_key=self.model_data_key)
         self.model_name = self.cfn_model.attr_model_name

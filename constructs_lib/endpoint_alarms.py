@@ -1,4 +1,5 @@
-"""Alarms for SageMaker endpoints. Each goes to the SNS topic, on ALARM and on OK.
+"""Alarms for SageMaker endpoints. Each goes to the SNS topic, on ALARM and on OK, except the one-minute
+rollback alarms, which only a blue/green update acts on.
 
 Every alarm has a fixed name (``<endpoint>-<kind>``), so the endpoint's blue/green auto-rollback
 and the pipeline's bake step can name them. No alarm treats missing data as breaching: CloudWatch puts
@@ -18,6 +19,11 @@ from constructs import Construct
 from constructs_lib.endpoint_compute import EndpointCompute
 
 PERIOD = Duration.minutes(5)
+# Blue/green rolls back only on an alarm that trips while the new fleet bakes; SageMaker publishes invocation
+# metrics every minute, so the rollback alarms judge one-minute periods, 2 of 3 breaching.
+ROLLBACK_PERIOD = Duration.minutes(1)
+ROLLBACK_EVALUATION_PERIODS = 3
+ROLLBACK_DATAPOINTS = 2
 # Instance metrics (CPU, memory, GPU, disk) live here; invocation metrics in AWS/SageMaker.
 INSTANCE_NAMESPACE = "/aws/sagemaker/Endpoints"
 
@@ -52,9 +58,10 @@ def sagemaker_endpoint_alarms(scope: Construct, *, endpoint_name: str, variant_n
     back-pressure with its own alarm, not a server error."""
     dimensions = {"EndpointName": endpoint_name, "VariantName": variant_name}
 
-    def metric(name: str, statistic: str, namespace: str = "AWS/SageMaker") -> cloudwatch.Metric:
+    def metric(name: str, statistic: str, namespace: str = "AWS/SageMaker", period: Duration = PERIOD
+               ) -> cloudwatch.Metric:
         return cloudwatch.Metric(namespace=namespace, metric_name=name, dimensions_map=dimensions,
-                                 statistic=statistic, period=PERIOD)
+                                 statistic=statistic, period=period)
 
     def alarm(id_: str, kind: str, description: str, metric_: cloudwatch.IMetric, threshold: float, *,
               periods: int = 1, missing: cloudwatch.TreatMissingData = cloudwatch.TreatMissingData.NOT_BREACHING,
@@ -65,15 +72,17 @@ def sagemaker_endpoint_alarms(scope: Construct, *, endpoint_name: str, variant_n
             datapoints_to_alarm=periods, comparison_operator=operator, treat_missing_data=missing,
         ), topic)
 
-    errors_5xx = metric("Invocation5XXErrors", "Sum")
-    if overload_503 is not None:
-        server_errors: cloudwatch.IMetric = cloudwatch.MathExpression(
-            expression="FILL(errors, 0) - FILL(overload, 0)", using_metrics={"errors": errors_5xx,
-                                                                            "overload": overload_503},
-            label="5xx other than 503 (queue full)", period=PERIOD)
-        what = "5xx other than the adapter's 503 back-pressure"
-    else:
-        server_errors, what = errors_5xx, "Invocation5XXErrors"
+    def server_errors_metric(period: Duration) -> cloudwatch.IMetric:
+        errors_5xx = metric("Invocation5XXErrors", "Sum", period=period)
+        if overload_503 is None:
+            return errors_5xx
+        return cloudwatch.MathExpression(
+            expression="FILL(errors, 0) - FILL(overload, 0)",
+            using_metrics={"errors": errors_5xx, "overload": overload_503.with_(period=period)},
+            label="5xx other than 503 (queue full)", period=period)
+
+    server_errors = server_errors_metric(PERIOD)
+    what = "5xx other than the adapter's 503 back-pressure" if overload_503 is not None else "Invocation5XXErrors"
     at_least = cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD
     alarms = {
         # No traffic means no errors and no latency: missing data is fine here.
@@ -125,7 +134,31 @@ def sagemaker_endpoint_alarms(scope: Construct, *, endpoint_name: str, variant_n
             instances, compute.max_instances, periods=6, operator=at_least)
     # A dead endpoint reports no CPUUtilization at all: one notification for it, from the CPU alarm.
     alarms["cpu_utilization"].add_insufficient_data_action(cw_actions.SnsAction(topic))
+
+    # The alarms a blue/green update rolls back on: the same signals on one-minute periods, so they can trip
+    # inside the bake. They notify no one (the five-minute alarms above page).
+    def rollback_alarm(id_: str, kind: str, description: str, metric_: cloudwatch.IMetric, threshold: float,
+                       operator: cloudwatch.ComparisonOperator) -> cloudwatch.Alarm:
+        return cloudwatch.Alarm(
+            scope, id_, alarm_name=alarm_name(endpoint_name, kind), metric=metric_,
+            alarm_description=f"{endpoint_name}: {description} (blue/green auto-rollback; notifies no one)",
+            threshold=threshold, evaluation_periods=ROLLBACK_EVALUATION_PERIODS,
+            datapoints_to_alarm=ROLLBACK_DATAPOINTS, comparison_operator=operator,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING)
+
+    alarms["rollback_server_errors"] = rollback_alarm(
+        "RollbackServerErrorsAlarm", "rollback-server-errors", f"{what} per minute",
+        server_errors_metric(ROLLBACK_PERIOD), thresholds.invocation_5xx_per_5min, at_least)
+    alarms["rollback_latency_p95"] = rollback_alarm(
+        "RollbackLatencyP95Alarm", "rollback-latency-p95",
+        f"ModelLatency p95 above {thresholds.model_latency_p95_ms} ms per minute",
+        metric("ModelLatency", "p95", period=ROLLBACK_PERIOD), thresholds.model_latency_p95_ms * 1000,
+        cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD)
     return alarms
+
+
+# The alarms a blue/green update watches for its auto-rollback (keys of sagemaker_endpoint_alarms' result).
+ROLLBACK_ALARMS = ("rollback_server_errors", "rollback_latency_p95")
 
 
 # Alarms on metrics an instance reports: they can only be evaluated once the endpoint has instances.

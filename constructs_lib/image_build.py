@@ -34,7 +34,7 @@ IMAGE_REPOSITORY_NAME = "semif/adapter"
 CACHE_REPOSITORY_NAME = "semif/adapter-build-cache"
 IMAGE_OUTPUT_DIR = "image-out"
 IMAGE_OUTPUT_FILE = "image.json"
-# CodeBuild allows 8 h; a cold CUDA build of llama-cpp-python for four architectures takes well under 2 h on
+# CodeBuild allows up to 2160 minutes (36 h); a cold CUDA build of llama-cpp-python for four architectures takes well under 2 h on
 # 72 vCPUs. The layer cache makes an adapter-only change a matter of minutes.
 BUILD_TIMEOUT = Duration.hours(3)
 
@@ -78,10 +78,10 @@ class AdapterImageRepository(Construct):
 
     def __init__(self, scope: Construct, id_: str, *, keep_last_images: int, pull_accounts: Sequence[str],
                  environments: Sequence[str] = ()) -> None:
-        """``keep_last_images``: per environment in ``environments``, the images last deployed there; and of the
-        images no environment was deployed with, the newest. An image an environment may still run (for a
-        replacement instance, a scale-out, Batch Transform or a rollback) is never expired while it is among the
-        last ``keep_last_images`` that environment was deployed with."""
+        """``keep_last_images``: per environment in ``environments`` (in promotion order, dev first), the images last
+        deployed there; and of the images no environment was deployed with, the newest. An image an environment may
+        still run (for a replacement instance, a scale-out, Batch Transform or a rollback) is never expired while it
+        is among the last ``keep_last_images`` that environment was deployed with."""
         super().__init__(scope, id_)
         self.key = kms.Key(self, "Key", description="SemIf adapter image repositories", enable_key_rotation=True,
                            removal_policy=RemovalPolicy.RETAIN)
@@ -90,13 +90,16 @@ class AdapterImageRepository(Construct):
             # A tag is the hash of the build inputs: the same tag is always the same image.
             image_tag_mutability=ecr.TagMutability.IMMUTABLE,
             encryption=ecr.RepositoryEncryption.KMS, encryption_key=self.key,
-            # ECR never lets a lower-priority rule expire an image a higher-priority rule's tags select, so the
-            # closing 'any' rule cannot reach an image tagged as deployed.
+            # ECR expires an image by one rule at most: the highest-priority (lowest-numbered) rule whose tags select
+            # it, so the closing 'any' rule cannot reach an image tagged as deployed. An image deployed to several
+            # environments is governed by the last of them in promotion order (prod first): each of its deploys
+            # followed one to every earlier environment, so once it drops out of that environment's last
+            # ``keep_last_images`` it has dropped out of theirs too.
             lifecycle_rules=[
                 *(ecr.LifecycleRule(rule_priority=priority,
                                     description=f"keep the last {keep_last_images} images deployed to {env}",
                                     tag_prefix_list=[deployed_tag_prefix(env)], max_image_count=keep_last_images)
-                  for priority, env in enumerate(environments, 1)),
+                  for priority, env in enumerate(reversed(list(environments)), 1)),
                 ecr.LifecycleRule(rule_priority=len(environments) + 1,
                                   description=f"keep the last {keep_last_images} images built",
                                   tag_status=ecr.TagStatus.ANY, max_image_count=keep_last_images),

@@ -29,24 +29,38 @@ def manifest_key(model_prefix: str) -> str:
     return f"{model_prefix}{MANIFEST_NAME}"
 
 
-def model_object_patterns(model_prefix: str) -> list[str]:
+def transform_tarball_key(model_prefix: str) -> str:
+    """The ``model.tar.gz`` Batch Transform reads (it takes ModelDataUrl only, never an uncompressed prefix): for
+    ``models/<name>/<version>/``, ``models/<name>/<version>.tar.gz`` beside it, which `semif-package-model upload`
+    writes (inside the prefix the endpoint would download it too); a ``.tar.gz`` model prefix is its own."""
+    if model_prefix.endswith(".tar.gz"):
+        return model_prefix
+    return model_prefix.rstrip("/") + ".tar.gz"
+
+
+def model_object_patterns(model_prefix: str, *, transform_tarball: bool = False) -> list[str]:
     """The objects the check reads: the manifest, and the GGUF (any ``*.gguf`` in the prefix: its name is in the
-    manifest, not known at synth) or the one tarball."""
+    manifest, not known at synth) or the one tarball; with ``transform_tarball``, Batch Transform's tarball too."""
     if model_prefix.endswith(".tar.gz"):
         return [manifest_key(model_prefix), model_prefix]
-    return [manifest_key(model_prefix), f"{model_prefix}*.gguf"]
+    patterns = [manifest_key(model_prefix), f"{model_prefix}*.gguf"]
+    return patterns + [transform_tarball_key(model_prefix)] if transform_tarball else patterns
 
 
-def model_object_listing(model_bucket: s3.IBucket, model_prefix: str) -> iam.PolicyStatement:
+def model_object_listing(model_bucket: s3.IBucket, model_prefix: str, *,
+                         transform_tarball: bool = False) -> iam.PolicyStatement:
     """``s3:ListBucket`` for listings of the objects the check reads, and of nothing else in the bucket."""
+    patterns = model_object_patterns(model_prefix, transform_tarball=transform_tarball)
     return iam.PolicyStatement(actions=["s3:ListBucket"], resources=[model_bucket.bucket_arn],
-                               conditions={"StringLike": {"s3:prefix": model_object_patterns(model_prefix)}})
+                               conditions={"StringLike": {"s3:prefix": patterns}})
 
 
 class ModelCheck(Construct):
     def __init__(self, scope: Construct, id_: str, *, model_bucket: s3.IBucket, model_key: kms.IKey,
                  model_prefix: str, log_retention: logs.RetentionDays,
-                 removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE) -> None:
+                 removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
+                 transform_tarball: bool = False) -> None:
+        """``transform_tarball``: the stack also runs Batch Transform on this model, so its tarball is checked."""
         super().__init__(scope, id_)
         if not (model_prefix.endswith("/") or model_prefix.endswith(".tar.gz")):
             raise ValueError(f"model_prefix {model_prefix!r}: end it with '/' (a directory) or '.tar.gz'")
@@ -62,13 +76,13 @@ class ModelCheck(Construct):
                              description=f"Checks the model at {model_prefix} before the endpoint deploys")
         self.role.add_to_policy(iam.PolicyStatement(actions=["logs:CreateLogStream", "logs:PutLogEvents"],
                                                     resources=[self.log_group.log_group_arn]))
-        patterns = model_object_patterns(model_prefix)
+        patterns = model_object_patterns(model_prefix, transform_tarball=transform_tarball)
         # HeadObject is authorised by s3:GetObject.
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["s3:GetObject"], resources=[model_bucket.arn_for_objects(p) for p in patterns]))
         # S3 answers a missing key with 403 to a reader that may not list it; listing exactly these keys lets the
         # check tell "not uploaded" from "access denied" (an IAM or KMS mistake).
-        self.role.add_to_policy(model_object_listing(model_bucket, model_prefix))
+        self.role.add_to_policy(model_object_listing(model_bucket, model_prefix, transform_tarball=transform_tarball))
         for pattern in patterns:
             if pattern.endswith("*.gguf"):
                 acknowledge_wildcard_resource(
@@ -106,7 +120,8 @@ class ModelCheck(Construct):
         self.resource = CustomResource(
             self, "Resource", service_token=self.function.function_arn, resource_type=RESOURCE_TYPE,
             properties={"Bucket": model_bucket.bucket_name, "ModelPrefix": model_prefix,
-                        "ManifestKey": self.manifest_key},
+                        "ManifestKey": self.manifest_key,
+                        **({"TransformTarball": "true"} if transform_tarball else {})},
             # The check creates nothing: there is nothing to keep, and Delete is a no-op.
             removal_policy=RemovalPolicy.DESTROY,
             # Should the function die without answering (it answers on every path it controls), the deploy fails

@@ -5,7 +5,7 @@ fixed name, autoscaling, the endpoint's log group and the alarms every endpoint 
 Model and EndpointConfig names are left to CloudFormation: a new image digest or setting makes
 a new EndpointConfig, and CloudFormation updates the endpoint in place. The update keeps the
 variant's current instance count (RetainAllVariantProperties) and shifts traffic blue/green
-(canary when the fleet has two or more instances), rolling back on the error and latency alarms.
+(canary when the fleet has two or more instances), rolling back on one-minute error and latency alarms.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from aws_cdk import (
 from constructs import Construct
 
 from constructs_lib.adapter_metrics import AdapterLogMetrics, adapter_log_metrics
-from constructs_lib.endpoint_alarms import (INSTANCE_ALARMS, EndpointAlarmThresholds, alarm_name, notify,
-                                           sagemaker_endpoint_alarms)
+from constructs_lib.endpoint_alarms import (INSTANCE_ALARMS, ROLLBACK_ALARMS, EndpointAlarmThresholds, alarm_name,
+                                           notify, sagemaker_endpoint_alarms)
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.image_sources import ContainerImageSource
 from constructs_lib.model_bucket import grant_model_read
@@ -43,9 +43,9 @@ VARIANT_NAME = "AllTraffic"
 # the traffic moves, and how long the old fleet stays up for a rollback afterwards.
 CANARY_BAKE_S = 600
 TERMINATION_WAIT_S = 600
-# A GPU fleet may wait for capacity through several pools (VariantInstanceProvisionTimeoutInSeconds each).
+# A GPU fleet may wait for capacity (VariantInstanceProvisionTimeoutInSeconds, at most 1 h, shared by all its
+# pools), then download the model and start: a blue/green update gets three hours in all.
 MAX_DEPLOYMENT_S = 3 * 3600
-ROLLBACK_ALARMS = ("server_errors", "model_latency_p95")
 
 
 def endpoint_log_group_name(endpoint_name: str) -> str:
@@ -182,6 +182,16 @@ class ServingEndpoint(Construct):
                 treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
             ), alarm_topic)
 
+        # Plain names, known at synth, not the alarms' Ref tokens.
+        self.rollback_alarm_names: list[str] = [self.alarms[k].node.default_child.alarm_name for k in ROLLBACK_ALARMS]
+        # SageMaker reads the rollback alarms with the execution role. ARNs from the fixed names: the alarms'
+        # own ARN attributes would tie the role's policy, which the Model waits for, to resources created later.
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["cloudwatch:DescribeAlarms"],
+            resources=[stack.format_arn(service="cloudwatch", resource="alarm", resource_name=name,
+                                        arn_format=ArnFormat.COLON_RESOURCE_NAME)
+                       for name in self.rollback_alarm_names]))
+
         self.cfn_endpoint = sagemaker.CfnEndpoint(
             self,
             "Endpoint",
@@ -224,8 +234,7 @@ class ServingEndpoint(Construct):
                 traffic_routing_configuration=routing, termination_wait_in_seconds=TERMINATION_WAIT_S,
                 maximum_execution_timeout_in_seconds=MAX_DEPLOYMENT_S),
             auto_rollback_configuration=sagemaker.CfnEndpoint.AutoRollbackConfigProperty(alarms=[
-                sagemaker.CfnEndpoint.AlarmProperty(alarm_name=alarm_name(self.endpoint_name, kind))
-                for kind in ("server-errors", "latency-p95")]),
+                sagemaker.CfnEndpoint.AlarmProperty(alarm_name=name) for name in self.rollback_alarm_names]),
         )
 
     def _autoscaling(self, stack: Stack, compute: EndpointCompute) -> None:
@@ -238,7 +247,7 @@ class ServingEndpoint(Construct):
             scalable_dimension="sagemaker:variant:DesiredInstanceCount",
             min_capacity=compute.min_instances,
             max_capacity=compute.max_instances,
-            # SageMaker variants scale through Application Auto Scaling's service-linked role.
+            # Imported only so that CDK creates no role of its own; RoleARN is dropped below.
             role=iam.Role.from_role_arn(
                 self, "ScalingRole",
                 f"arn:{stack.partition}:iam::{stack.account}:role/aws-service-role/"
@@ -246,6 +255,10 @@ class ServingEndpoint(Construct):
                 "AWSServiceRoleForApplicationAutoScaling_SageMakerEndpoint",
                 mutable=False),
         )
+        # No RoleARN: Application Auto Scaling then uses its service-linked role for SageMaker and creates it when
+        # the account has none (RegisterScalableTarget). Naming the role fails on an account that never had it
+        # ("Unable to assume IAM role"), and AWS::IAM::ServiceLinkedRole fails in the second stack that declares it.
+        self.scalable_target.node.default_child.add_property_deletion_override("RoleARN")
         self.scalable_target.node.add_dependency(self.cfn_endpoint)
         # Requests in flight (running + queued), reported every 10 s: it rises as soon as the queue does, where
         # InvocationsPerInstance (per minute, blind to request cost) reacts after the queue already answers 503.
@@ -298,9 +311,14 @@ def grant_model_runtime(scope: Construct, role: iam.Role, *, image: ContainerIma
 
 
 def isolated_model(scope: Construct, *, role: iam.Role, image_uri: str, bucket_name: str, model_prefix: str,
-                   environment: Mapping[str, str]) -> sagemaker.CfnModel:
+                   environment: Mapping[str, str], model_data_url_key: Optional[str] = None) -> sagemaker.CfnModel:
     """A network-isolated SageMaker Model of one image and one model prefix, created after its role's policy
-    (SageMaker checks the role's access when it creates the model). The endpoint and Batch Transform share it."""
+    (SageMaker checks the role's access when it creates the model). The endpoint and Batch Transform share it.
+
+    ``model_data_url_key``: the ``model.tar.gz`` to name as ModelDataUrl instead of a ModelDataSource, for Batch
+    Transform, which refuses a Model whose container uses ModelDataSource."""
+    model_data = (_model_data(bucket_name, model_prefix) if model_data_url_key is None
+                  else {"model_data_url": f"s3://{bucket_name}/{model_data_url_key}"})
     model = sagemaker.CfnModel(
         scope,
         "Model",
@@ -310,7 +328,7 @@ def isolated_model(scope: Construct, *, role: iam.Role, image_uri: str, bucket_n
             image=image_uri,
             mode="SingleModel",
             environment=dict(environment),
-            **_model_data(bucket_name, model_prefix),
+            **model_data,
         ),
     )
     model.node.add_dependency(role.node.find_child("DefaultPolicy"))

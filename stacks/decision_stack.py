@@ -54,7 +54,7 @@ class DecisionStack(Stack):
         # No Model (so no instance) before the model it serves is in the bucket, on every deploy path.
         self.model_check = ModelCheck(self, "ModelCheck", model_bucket=model_bucket, model_key=model_key,
                                       model_prefix=model_prefix, log_retention=log_retention,
-                                      removal_policy=removal_policy)
+                                      removal_policy=removal_policy, transform_tarball=True)
         self.model_check.guard(self.endpoint.cfn_model)
 
         # Batch Transform: a Model of the same image, model and environment, run by a role of its own

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from aws_cdk import (CfnOutput, DefaultStackSynthesizer, Duration, Environment, Stack, Stage, aws_codebuild as codebuild,
-                     aws_iam as iam, pipelines)
+                     aws_codepipeline as codepipeline, aws_iam as iam, pipelines)
 from constructs import Construct
 
 from constructs_lib.image_build import IMAGE_REPOSITORY_NAME, AdapterImageRepository, default_build_specs, deployed_tag_prefix
@@ -32,6 +32,10 @@ PIPELINE_CHECK_ROLE_NAME = "semif-pipeline-checks"
 # deploy role (which the pipeline's deploy actions already use) to delete a stack a failed first create left.
 PIPELINE_PRE_DEPLOY_ROLE_NAME = "semif-pipeline-pre-deploy"
 ADAPTER_IMAGES_DIR = "adapter-images"
+# Every CodeBuild project of the pipeline runs these, not the image's defaults (which move when a version reaches end
+# of life): Node 20 for the CDK CLI (README), Python 3.12 for the app and its tests. aws/codebuild/standard:7.0
+# offers nodejs 18 and 20, python 3.11 and 3.12.
+CODEBUILD_RUNTIME_VERSIONS = {"nodejs": "20", "python": "3.12"}
 
 
 def stage_stack_synthesizer() -> DefaultStackSynthesizer:
@@ -49,6 +53,17 @@ def stage_stack_synthesizer() -> DefaultStackSynthesizer:
 def deploy_role_arn(account: str, region: str, qualifier: str = DefaultStackSynthesizer.DEFAULT_QUALIFIER) -> str:
     """An environment's CDK bootstrap deploy role, which `cdk bootstrap --trust <pipeline account>` lets in."""
     return f"arn:aws:iam::{account}:role/cdk-{qualifier}-deploy-role-{account}-{region}"
+
+
+def connection_use_action(connection_arn: str) -> str:
+    """``UseConnection`` under the service prefix of the connection's ARN (``codeconnections`` since the rename,
+    ``codestar-connections`` for older connections): IAM matches an action to a resource of its own prefix only."""
+    parts = connection_arn.split(":")
+    if len(parts) != 6 or parts[0] != "arn" or parts[2] not in ("codeconnections", "codestar-connections") \
+            or not parts[5].startswith("connection/"):
+        raise ValueError(f"connection_arn {connection_arn!r}: expected arn:aws:codeconnections:<region>:<account>:"
+                         "connection/<id> (or a codestar-connections one)")
+    return f"{parts[2]}:UseConnection"
 
 
 @dataclass
@@ -167,6 +182,9 @@ class PipelineStack(Stack):
             self,
             "Pipeline",
             pipeline_name="semif",
+            pipeline_type=codepipeline.PipelineType.V2,
+            code_build_defaults=pipelines.CodeBuildOptions(partial_build_spec=codebuild.BuildSpec.from_object(
+                {"phases": {"install": {"runtime-versions": dict(CODEBUILD_RUNTIME_VERSIONS)}}})),
             cross_account_keys=True,
             enable_key_rotation=True,
             synth=pipelines.ShellStep(
@@ -211,7 +229,21 @@ class PipelineStack(Stack):
                 stack_steps=[pipelines.StackSteps(stack=stage.stacks.decision, pre=[self._model_check_step(spec)])],
             )
         self.pipeline.build_pipeline()
+        self._grant_connection_use(connection_arn)
         self._acknowledge_framework_findings()
+
+    def _grant_connection_use(self, connection_arn: str) -> None:
+        """The Source action's role may use the connection under the ARN's own service prefix.
+
+        CDK grants ``codestar-connections:UseConnection`` only; IAM matches an action to a resource only under the
+        same service prefix, and connections created since the CodeConnections rename have ``codeconnections``
+        ARNs (https://docs.aws.amazon.com/dtconsole/latest/userguide/rename.html)."""
+        source_stage = self.pipeline.pipeline.node.find_child("Source")
+        roles = [c for c in source_stage.node.find_all() if isinstance(c, iam.Role)]
+        if len(roles) != 1:
+            raise RuntimeError(f"expected one Source action role, found {len(roles)}")
+        roles[0].add_to_policy(iam.PolicyStatement(actions=[connection_use_action(connection_arn)],
+                                                   resources=[connection_arn]))
 
     def _check_step(self, id_: str, *, role_arn: str, region: str, commands: list[str],
                     env: Optional[Mapping[str, str]] = None, **kwargs) -> pipelines.CodeBuildStep:
@@ -330,6 +362,7 @@ class PipelineStack(Stack):
         acknowledge_wildcard_resource(
             self_mutation, "*", "Self-mutation runs `cdk deploy` of this stack: cloudformation:DescribeStacks and "
             "s3:ListBucket on '*' are what the CDK CLI needs to find the stack and the bootstrap bucket.")
-        acknowledge_wildcard_resource(
-            scope, "*", "The image steps call ecr:GetAuthorizationToken (docker login), which supports no "
-            "resource-level permissions.")
+        for step in self.image_steps.values():
+            acknowledge_wildcard_resource(
+                step.project.role, "*", "The image step calls ecr:GetAuthorizationToken (docker login), which "
+                "supports no resource-level permissions.")

@@ -85,12 +85,12 @@ def pre_deploy_commands() -> list[str]:
 
 def model_check_commands() -> list[str]:
     """The model check custom resource's own check, before the stage's endpoint stacks: manifest against the
-    adapter's schema, the GGUF's size and S3 checksum. Reads ``CHECK_ROLE_ARN``, ``MODEL_BUCKET``, ``MODEL_PREFIX``,
+    adapter's schema, the GGUF's size and S3 checksum, and the Batch Transform tarball's. Reads ``CHECK_ROLE_ARN``, ``MODEL_BUCKET``, ``MODEL_PREFIX``,
     ``MANIFEST_KEY``; runs in a checkout of the repository."""
     return [
         *assume_role("CHECK_ROLE_ARN"),
         'python3 lambda/model_check/handler.py --bucket "$MODEL_BUCKET" --model-prefix "$MODEL_PREFIX" '
-        '--manifest-key "$MANIFEST_KEY"',
+        '--manifest-key "$MANIFEST_KEY" --transform-tarball',
     ]
 
 

@@ -144,10 +144,11 @@ class SharedStack(Stack):
                         assumed_by=named_role_principal(principal_arn),
                         description="The pipeline's model check, smoke tests and bake check for this environment")
         # The pipeline's CheckModel step runs the model check custom resource's own check: the same objects.
-        patterns = model_object_patterns(model_prefix)
+        # The decision stack's check, Batch Transform tarball included.
+        patterns = model_object_patterns(model_prefix, transform_tarball=True)
         role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"],
                                                resources=[self.models.bucket.arn_for_objects(p) for p in patterns]))
-        role.add_to_policy(model_object_listing(self.models.bucket, model_prefix))
+        role.add_to_policy(model_object_listing(self.models.bucket, model_prefix, transform_tarball=True))
         role.add_to_policy(iam.PolicyStatement(actions=["kms:Decrypt"], resources=[self.models.key.key_arn]))
         for pattern in patterns:
             if pattern.endswith("*.gguf"):

@@ -12,6 +12,7 @@ from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.image_sources import DlcImage
 from constructs_lib.model_check import ModelCheck
+from constructs_lib.trust import named_role_principal
 from stacks.outputs import publish
 
 
@@ -54,8 +55,9 @@ class TextStack(Stack):
         # The named app roles assume this role to mint short-lived bearer tokens for the OpenAI-compatible route.
         if not client_role_arns:
             raise ValueError("client_role_arns: name at least one role that may call the chat endpoint")
-        self.client_role = iam.Role(self, "ChatClientRole",
-                                    assumed_by=iam.CompositePrincipal(*(iam.ArnPrincipal(a) for a in client_role_arns)),
+        # By account and aws:PrincipalArn, not by role principal: the app roles may not exist yet, and may be
+        # re-created.
+        self.client_role = iam.Role(self, "ChatClientRole", assumed_by=named_role_principal(*client_role_arns),
                                     max_session_duration=Duration.hours(1),
                                     description=f"Calls {endpoint_name} (InvokeEndpoint and bearer tokens) only")
         self.endpoint.grant_invoke(self.client_role)

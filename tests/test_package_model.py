@@ -219,7 +219,8 @@ def test_upload_puts_the_gguf_and_its_manifest_under_models_name_version(s3, tin
     assert _upload(tiny_gguf) == EXIT_OK
 
     prefix = "models/tiny/v1/"
-    assert _keys(s3) == [prefix + MANIFEST_NAME, prefix + tiny_gguf.name]
+    # And Batch Transform's tarball beside the prefix, not in it: the endpoint downloads the whole prefix.
+    assert _keys(s3) == ["models/tiny/v1.tar.gz", prefix + MANIFEST_NAME, prefix + tiny_gguf.name]
     manifest = ModelManifest.model_validate_json(s3.get_object(Bucket=BUCKET, Key=prefix + MANIFEST_NAME)["Body"].read())
     assert manifest.file == tiny_gguf.name
     assert manifest.sha256 == _sha256(tiny_gguf)
@@ -231,6 +232,42 @@ def test_upload_puts_the_gguf_and_its_manifest_under_models_name_version(s3, tin
     head = s3.head_object(Bucket=BUCKET, Key=prefix + tiny_gguf.name, ChecksumMode="ENABLED")
     assert head["ChecksumSHA256"].partition("-")[0] == manifest.stored.s3_checksum_sha256.partition("-")[0]
     assert head["Metadata"]["sha256"] == manifest.sha256
+
+
+def test_the_transform_tarball_holds_the_model_as_the_adapter_checks_it_and_its_checksum_is_in_the_manifest(
+        s3, tiny_gguf, tmp_path, capsys):
+    assert _upload(tiny_gguf) == EXIT_OK
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["sagemaker_batch_transform"] == {"ModelDataUrl": f"s3://{BUCKET}/models/tiny/v1.tar.gz"}
+    manifest = ModelManifest.model_validate_json(
+        s3.get_object(Bucket=BUCKET, Key=f"models/tiny/v1/{MANIFEST_NAME}")["Body"].read())
+    record = manifest.transform_tarball
+    archive = s3.get_object(Bucket=BUCKET, Key="models/tiny/v1.tar.gz")["Body"].read()
+    assert record.file == "v1.tar.gz" and record.size_bytes == len(archive)
+    assert record.sha256 == hashlib.sha256(archive).hexdigest()
+    head = s3.head_object(Bucket=BUCKET, Key="models/tiny/v1.tar.gz", ChecksumMode="ENABLED")
+    assert head["ChecksumSHA256"].partition("-")[0] == record.s3_checksum_sha256.partition("-")[0]
+    # What SageMaker extracts into /opt/ml/model: the GGUF and its manifest, which the adapter's startup accepts.
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        assert sorted(tar.getnames()) == sorted([tiny_gguf.name, MANIFEST_NAME])
+        tar.extractall(tmp_path / "opt-ml-model", filter="data")
+    assert verify_model_file(tmp_path / "opt-ml-model" / tiny_gguf.name).sha256 == _sha256(tiny_gguf)
+
+
+def test_verify_fails_when_the_transform_tarball_is_replaced(s3, tiny_gguf, capsys):
+    assert _upload(tiny_gguf) == EXIT_OK
+    archive = s3.get_object(Bucket=BUCKET, Key="models/tiny/v1.tar.gz")["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key="models/tiny/v1.tar.gz", Body=archive[:-1] + bytes([archive[-1] ^ 1]),
+                  ChecksumAlgorithm="SHA256")
+    capsys.readouterr()
+    assert main(["verify", f"s3://{BUCKET}/models/tiny/v1/"]) == EXIT_FAILED
+    assert "v1.tar.gz (Batch Transform): S3 checksum is" in capsys.readouterr().err
+
+
+def test_upload_refuses_a_version_whose_transform_tarball_is_already_there(s3, tiny_gguf):
+    s3.put_object(Bucket=BUCKET, Key="models/tiny/v1.tar.gz", Body=b"someone else's")
+    assert _upload(tiny_gguf) == EXIT_EXISTS
+    assert s3.get_object(Bucket=BUCKET, Key="models/tiny/v1.tar.gz")["Body"].read() == b"someone else's"
 
 
 def test_upload_of_the_embedded_model_defaults_name_and_version_and_verifies(s3, capsys):

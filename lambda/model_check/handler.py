@@ -3,16 +3,19 @@
 On Create and Update it reads ``model-manifest.json`` under the model prefix, validates it against the
 adapter's manifest schema (``manifest_schema.json``, generated from ``semif.serving.manifest``), and checks with
 HeadObject that the object the manifest names exists with the manifest's size and, when S3 reports one, the
-S3 SHA-256 checksum ``semif-package-model upload`` recorded. A failure fails the deploy with one line that names
-what is missing and the ``semif-package-model`` command that fixes it. Delete is a no-op.
+S3 SHA-256 checksum ``semif-package-model upload`` recorded. With ``TransformTarball`` (the decision stack, whose
+Batch Transform Model reads a ``model.tar.gz``), an uncompressed model's tarball beside the prefix
+(``<version>.tar.gz``) is checked the same way. A failure fails the deploy with one line that names what is missing
+and the ``semif-package-model`` command that fixes it. Delete is a no-op.
 
 Resource properties: ``Bucket``, ``ModelPrefix`` (``models/<name>/<version>/`` or ``…/model.tar.gz``),
-``ManifestKey``. The function answers CloudFormation itself (a PUT to the pre-signed ``ResponseURL``), so it needs
+``ManifestKey``, ``TransformTarball`` (``"true"`` or absent). The function answers CloudFormation itself (a PUT to the pre-signed ``ResponseURL``), so it needs
 no Provider framework; it answers on every path, errors included, so a deploy never waits for a lost reply.
 
 The pipeline's ``CheckModel-<env>`` step runs the same check before the stage's endpoint stacks exist:
 
-    python3 lambda/model_check/handler.py --bucket B --model-prefix models/<name>/<version>/ --manifest-key K
+    python3 lambda/model_check/handler.py --bucket B --model-prefix models/<name>/<version>/ --manifest-key K \
+        --transform-tarball
 """
 
 from __future__ import annotations
@@ -144,7 +147,8 @@ def _is_missing(s3, exc: Exception, *, bucket: str, key: str) -> bool:
     return True
 
 
-def check_model(s3, *, bucket: str, model_prefix: str, manifest_key: str) -> dict[str, str]:
+def check_model(s3, *, bucket: str, model_prefix: str, manifest_key: str,
+                transform_tarball: bool = False) -> dict[str, str]:
     """Raise ModelCheckFailed unless the model at ``model_prefix`` is complete; return what was verified."""
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -207,15 +211,66 @@ def check_model(s3, *, bucket: str, model_prefix: str, manifest_key: str) -> dic
         raise ModelCheckFailed(f"{object_uri} is {size} bytes; {manifest_uri} says {expected_size} (truncated or "
                                f"replaced?): re-upload with `{reupload(gguf)}`")
     reported = head.get("ChecksumSHA256")
-    if stored is not None and reported:
-        want_b64, _, want_parts = stored["s3_checksum_sha256"].partition("-")
-        got_b64, _, got_parts = reported.partition("-")
-        # Real S3 reports a multipart upload's composite checksum as "<b64>-<parts>"; some emulators omit "-<parts>".
-        if got_b64 != want_b64 or (got_parts and got_parts != want_parts):
-            raise ModelCheckFailed(f"{object_uri} has S3 checksum {reported}; {manifest_uri} says "
-                                   f"{stored['s3_checksum_sha256']} (replaced?): re-upload with `{reupload(gguf)}`")
-    return {"ModelObject": object_uri, "ModelSha256": manifest["sha256"], "SizeBytes": str(size),
-            "ChecksumChecked": "true" if stored is not None and reported else "false"}
+    if stored is not None and reported and not _same_checksum(reported, stored["s3_checksum_sha256"]):
+        raise ModelCheckFailed(f"{object_uri} has S3 checksum {reported}; {manifest_uri} says "
+                               f"{stored['s3_checksum_sha256']} (replaced?): re-upload with `{reupload(gguf)}`")
+    verified = {"ModelObject": object_uri, "ModelSha256": manifest["sha256"], "SizeBytes": str(size),
+                "ChecksumChecked": "true" if stored is not None and reported else "false"}
+    if transform_tarball and not model_prefix.endswith(".tar.gz"):
+        verified["TransformObject"] = _check_transform_tarball(s3, bucket=bucket, model_prefix=model_prefix,
+                                                               manifest=manifest, manifest_uri=manifest_uri,
+                                                               reupload=reupload(gguf))
+    return verified
+
+
+def transform_tarball_key(model_prefix: str) -> str:
+    """Batch Transform's ``model.tar.gz`` of an uncompressed model: ``<version>.tar.gz`` beside ``<version>/``
+    (constructs_lib/model_check.py names the same key); a ``.tar.gz`` model prefix is its own."""
+    if model_prefix.endswith(".tar.gz"):
+        return model_prefix
+    return model_prefix.rstrip("/") + ".tar.gz"
+
+
+def _same_checksum(reported: str, recorded: str) -> bool:
+    want_b64, _, want_parts = recorded.partition("-")
+    got_b64, _, got_parts = reported.partition("-")
+    # Real S3 reports a multipart upload's composite checksum as "<b64>-<parts>"; some emulators omit "-<parts>".
+    return got_b64 == want_b64 and (not got_parts or got_parts == want_parts)
+
+
+def _check_transform_tarball(s3, *, bucket: str, model_prefix: str, manifest: dict, manifest_uri: str,
+                             reupload: str) -> str:
+    """SageMaker Batch Transform reads only a ``model.tar.gz`` (ModelDataUrl): the manifest must record the one
+    `semif-package-model upload` wrote beside the prefix, and S3 must hold it as recorded."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    key = transform_tarball_key(model_prefix)
+    uri = f"s3://{bucket}/{key}"
+    record = manifest.get("transform_tarball")
+    if record is None:
+        raise ModelCheckFailed(f"{manifest_uri} records no Batch Transform tarball ({uri}; the batch Model reads "
+                               f"it): re-upload with `{reupload}`, which writes it")
+    if record["file"] != posixpath.basename(key):
+        raise ModelCheckFailed(f"{manifest_uri} records the Batch Transform tarball {record['file']}, but the batch "
+                               f"Model reads {uri}: re-upload with `{reupload}`")
+    try:
+        head = s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    except ClientError as exc:
+        code = _error_code(exc)
+        if _is_missing(s3, exc, bucket=bucket, key=key):
+            raise ModelCheckFailed(f"{manifest_uri} records the Batch Transform tarball {record['file']}, but {uri} "
+                                   f"is missing (S3: {code}): re-upload with `{reupload}`") from exc
+        raise ModelCheckFailed(f"cannot read {uri}: S3 {code}: {exc}") from exc
+    except BotoCoreError as exc:
+        raise ModelCheckFailed(f"cannot read {uri}: {exc}") from exc
+    if head.get("ContentLength") != record["size_bytes"]:
+        raise ModelCheckFailed(f"{uri} is {head.get('ContentLength')} bytes; {manifest_uri} says "
+                               f"{record['size_bytes']} (truncated or replaced?): re-upload with `{reupload}`")
+    reported = head.get("ChecksumSHA256")
+    if reported and not _same_checksum(reported, record["s3_checksum_sha256"]):
+        raise ModelCheckFailed(f"{uri} has S3 checksum {reported}; {manifest_uri} says "
+                               f"{record['s3_checksum_sha256']} (replaced?): re-upload with `{reupload}`")
+    return uri
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,7 +307,8 @@ def handle(event: dict, s3=None) -> dict:
         s3 = s3_client()
     try:
         verified = check_model(s3, bucket=props["Bucket"], model_prefix=props["ModelPrefix"],
-                               manifest_key=props["ManifestKey"])
+                               manifest_key=props["ManifestKey"],
+                               transform_tarball=props.get("TransformTarball") == "true")
     except ModelCheckFailed as exc:
         # A failed Create still needs an id (CloudFormation deletes it on rollback); a failed Update keeps the old.
         return {"Status": "FAILED", "Reason": str(exc),
@@ -305,10 +361,12 @@ def main(argv: Optional[list[str]] = None, s3=None) -> int:
     parser.add_argument("--bucket", required=True)
     parser.add_argument("--model-prefix", required=True, help="models/<name>/<version>/ or …/model.tar.gz")
     parser.add_argument("--manifest-key", required=True)
+    parser.add_argument("--transform-tarball", action="store_true",
+                        help="also check the Batch Transform tarball of an uncompressed model (<version>.tar.gz)")
     args = parser.parse_args(argv)
     try:
         verified = check_model(s3 or s3_client(), bucket=args.bucket, model_prefix=args.model_prefix,
-                               manifest_key=args.manifest_key)
+                               manifest_key=args.manifest_key, transform_tarball=args.transform_tarball)
     except ModelCheckFailed as exc:
         print(f"model check failed: {exc}", file=sys.stderr)
         return 1

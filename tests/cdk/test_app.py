@@ -147,7 +147,8 @@ def test_prod_decision_endpoint_uses_gpu_pools_and_the_promoted_adapter_image(pr
                           {"InstanceType": "ml.g6.xlarge", "Priority": 2},
                           {"InstanceType": "ml.g5.xlarge", "Priority": 3},
                           {"InstanceType": "ml.g4dn.xlarge", "Priority": 4}],
-        "VariantInstanceProvisionTimeoutInSeconds": 1800,
+        # One timeout for the whole variant, shared by its four pools: SageMaker's maximum.
+        "VariantInstanceProvisionTimeoutInSeconds": 3600,
         "InitialInstanceCount": 2,
         "InferenceAmiVersion": "al2023-ami-sagemaker-inference-gpu-4-1",
     })]})
@@ -255,7 +256,11 @@ def test_chat_client_role_trusts_the_named_app_roles_only(prod_assembly):
     (role,) = [r["Properties"] for k, r in template.find_resources("AWS::IAM::Role").items()
                if k.startswith("ChatClientRole")]
     (statement,) = role["AssumeRolePolicyDocument"]["Statement"]
-    assert statement["Principal"] == {"AWS": "arn:aws:iam::222222222222:role/semif-prod-chat-app"}
+    # The app role's account, narrowed to the named role by ARN: no role principal that IAM would resolve (and
+    # refuse while the app role does not exist, or stop matching once it is re-created).
+    assert statement["Principal"] == {"AWS": {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"},
+                                                                ":iam::222222222222:root"]]}}
+    assert statement["Condition"] == {"ArnEquals": {"aws:PrincipalArn": ["arn:aws:iam::222222222222:role/semif-prod-chat-app"]}}
 
 
 # ---- pipeline ----
@@ -397,19 +402,22 @@ def test_shared_stack_deploys_and_the_model_is_checked_before_any_endpoint(pipel
     # The model check custom resource's own check (manifest schema, GGUF size and checksum), from the checkout.
     spec = _project(pipeline_template, check)["Source"]["BuildSpec"]
     assert ('python3 lambda/model_check/handler.py --bucket \\"$MODEL_BUCKET\\" --model-prefix \\"$MODEL_PREFIX\\" '
-            '--manifest-key \\"$MANIFEST_KEY\\"') in spec
+            '--manifest-key \\"$MANIFEST_KEY\\" --transform-tarball') in spec
     assert len(check["InputArtifacts"]) == 1
     variables = _variables(pipeline_template, check)
     assert variables["MANIFEST_KEY"] == variables["MODEL_PREFIX"] + "model-manifest.json"
     assert variables["CHECK_ROLE_ARN"].endswith(f":role/semif-{env}-pipeline-check")
-    # The check role reads what the handler reads: the manifest and the prefix's GGUFs, and lists those keys.
+    # The check role reads what the handler reads: the manifest, the prefix's GGUFs and Batch Transform's tarball
+    # beside the prefix, and lists those keys.
     statements = _policy_statements(templates(pipeline_assembly[1])[f"semif-{env}-shared"],
                                     f"semif-{env}-pipeline-check")
     reads = json.dumps(_allowed(statements, "s3:GetObject"))
+    tarball = variables["MODEL_PREFIX"].rstrip("/") + ".tar.gz"
     assert f"/{variables['MODEL_PREFIX']}model-manifest.json" in reads and f"/{variables['MODEL_PREFIX']}*.gguf" in reads
+    assert f"/{tarball}" in reads
     (listing,) = [s for s in statements if s["Action"] == "s3:ListBucket" and variables["MODEL_PREFIX"] in json.dumps(s)]
     assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"{variables['MODEL_PREFIX']}model-manifest.json",
-                                                                  f"{variables['MODEL_PREFIX']}*.gguf"]}}
+                                                                  f"{variables['MODEL_PREFIX']}*.gguf", tarball]}}
 
 
 @pytest.mark.parametrize("env,variant", [("dev", "cpu"), ("staging", "gpu"), ("prod", "gpu")])

@@ -53,8 +53,9 @@ def test_transform_model_runs_the_pinned_image_the_model_data_and_the_adapter_en
     container = props["PrimaryContainer"]
     assert container["Image"]["Fn::Join"][1][-1] == f"/semif-adapter@{DIGEST}"  # pinned by digest, like the endpoint
     assert container["Environment"] == ENVIRONMENT
-    assert container["ModelDataSource"]["S3DataSource"] == {
-        "S3Uri": "s3://models-bucket/models/m/1/", "S3DataType": "S3Prefix", "CompressionType": "None"}
+    # CreateTransformJob refuses a Model whose container uses ModelDataSource: a model.tar.gz, beside the prefix.
+    assert "ModelDataSource" not in container
+    assert container["ModelDataUrl"] == "s3://models-bucket/models/m/1.tar.gz"
     assert props["EnableNetworkIsolation"] is True
     (role_id,) = template.find_resources("AWS::IAM::Role")
     assert props["ExecutionRoleArn"] == {"Fn::GetAtt": [role_id, "Arn"]}
@@ -74,6 +75,11 @@ def test_transform_role_reads_batch_inputs_writes_batch_outputs_and_holds_nothin
     }
     reads = json.dumps(by_action["s3:GetObject"])
     assert "models-bucket/models/m/1/*" in reads and "models-bucket/batch/*/in/*" in reads and "out/" not in reads
+    assert "models-bucket/models/m/1.tar.gz" in reads  # the Model's ModelDataUrl
+    # CreateLogGroup names the log group itself, not only its streams.
+    assert {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"},
+                              ":logs:us-east-1:123456789012:log-group:/aws/sagemaker/TransformJobs"]]} in (
+        by_action["logs:CreateLogGroup"])
     writes = json.dumps(by_action["s3:PutObject"] + by_action["s3:AbortMultipartUpload"])
     assert "models-bucket/batch/*/out/*" in writes and "/in/" not in writes and "models/" not in writes
     assert by_action["kms:Decrypt"] == [KEY_ARN] and by_action["kms:GenerateDataKey"] == [KEY_ARN]
@@ -116,10 +122,27 @@ def test_the_decision_stack_publishes_the_batch_model_role_and_default_instance_
     role_id = template["Resources"][batch_model]["Properties"]["ExecutionRoleArn"]["Fn::GetAtt"][0]
     assert params["/semif/dev/decision/batch-role-arn"] == {"Fn::GetAtt": [role_id, "Arn"]}
     assert params["/semif/dev/decision/batch-instance-type"] == "ml.c6i.xlarge"  # dev's endpoint type
-    # The same image (by digest) and model data as the endpoint's Model.
+    # The same image (by digest) and environment as the endpoint's Model; the same model, as the tarball beside
+    # the prefix the endpoint serves.
     endpoint_model = next(k for k in models if k != batch_model)
-    containers = [template["Resources"][k]["Properties"]["PrimaryContainer"] for k in (batch_model, endpoint_model)]
-    assert containers[0] == containers[1]
+    batch, endpoint = (template["Resources"][k]["Properties"]["PrimaryContainer"] for k in (batch_model, endpoint_model))
+    assert {k: v for k, v in batch.items() if k != "ModelDataUrl"} == {
+        k: v for k, v in endpoint.items() if k != "ModelDataSource"}
+    prefix_uri = endpoint["ModelDataSource"]["S3DataSource"]["S3Uri"]
+    assert batch["ModelDataUrl"] == prefix_uri.rstrip("/") + ".tar.gz"
+
+
+def test_a_tar_gz_model_is_its_own_batch_model_data():
+    stack = Stack(App(), "BatchTar", env=ENV)
+    bucket = s3.Bucket.from_bucket_name(stack, "ModelBucket", "models-bucket")
+    repo = ecr.Repository.from_repository_name(stack, "Repo", "semif-adapter")
+    BatchTransform(stack, "Batch", image=BuiltImage(repository=repo, digest=DIGEST), model_bucket=bucket,
+                   model_key=kms.Key.from_key_arn(stack, "ModelKey", KEY_ARN),
+                   model_prefix="models/m/2/model.tar.gz", environment=ENVIRONMENT)
+    (model,) = Template.from_stack(stack).find_resources("AWS::SageMaker::Model").values()
+    container = model["Properties"]["PrimaryContainer"]
+    assert container["ModelDataUrl"] == "s3://models-bucket/models/m/2/model.tar.gz"
+    assert "ModelDataSource" not in container
 
 
 def test_prod_batch_jobs_default_to_the_first_instance_pool(prod_assembly):

@@ -194,10 +194,43 @@ def test_updates_keep_the_instance_count_and_shift_traffic_blue_green_with_rollb
         "Type": "CANARY", "CanarySize": {"Type": "INSTANCE_COUNT", "Value": 1}, "WaitIntervalInSeconds": 600}
     assert policy["TerminationWaitInSeconds"] == 600
     rollback = [a["AlarmName"] for a in properties["DeploymentConfig"]["AutoRollbackConfiguration"]["Alarms"]]
-    assert rollback == ["gpu-decision-server-errors", "gpu-decision-latency-p95"]
+    assert rollback == ["gpu-decision-rollback-server-errors", "gpu-decision-rollback-latency-p95"]
     names = {a["Properties"]["AlarmName"]: k for k, a in stacks["gpu"].find_resources("AWS::CloudWatch::Alarm").items()}
     for name in rollback:
         assert names[name] in endpoint["DependsOn"]  # the alarms exist before the endpoint names them
+
+
+def _alarm_window_s(alarm: dict) -> int:
+    """How long an alarm must watch before it can go to ALARM: period x datapoints it needs (at the least), and
+    period x evaluation periods it looks back over (at the most)."""
+    periods = ([alarm["Period"]] if "Period" in alarm else
+               [m["MetricStat"]["Period"] for m in alarm["Metrics"] if "MetricStat" in m]
+               + [m["Period"] for m in alarm["Metrics"] if "Expression" in m and "Period" in m])
+    assert periods, alarm["AlarmName"]
+    return max(periods) * alarm["EvaluationPeriods"]
+
+
+@pytest.mark.parametrize("name", ["gpu", "cpu", "chat"])
+def test_every_rollback_alarm_can_trip_inside_the_bake_and_the_paging_alarms_stay(stacks, name):
+    """SageMaker rolls a blue/green update back only on an alarm that goes to ALARM while the new fleet bakes."""
+    template = stacks[name]
+    deployment = only(template, "AWS::SageMaker::Endpoint")["Properties"]["DeploymentConfig"]
+    bake_s = deployment["BlueGreenUpdatePolicy"]["TrafficRoutingConfiguration"]["WaitIntervalInSeconds"]
+    by_name = {a["Properties"]["AlarmName"]: a["Properties"]
+               for a in template.find_resources("AWS::CloudWatch::Alarm").values()}
+    rollback = [a["AlarmName"] for a in deployment["AutoRollbackConfiguration"]["Alarms"]]
+    assert len(rollback) == 2
+    for alarm_name in rollback:
+        alarm = by_name[alarm_name]
+        assert _alarm_window_s(alarm) <= bake_s / 2, (alarm_name, _alarm_window_s(alarm), bake_s)
+        assert alarm["DatapointsToAlarm"] < alarm["EvaluationPeriods"]  # 2 of 3: one noisy minute is not enough
+        assert not alarm.get("AlarmActions") and not alarm.get("OKActions")  # the paging alarms page
+    kinds = {n.rsplit("-rollback-", 1)[-1] for n in rollback}
+    assert kinds == {"server-errors", "latency-p95"}
+    endpoint = rollback[0].rsplit("-rollback-", 1)[0]
+    for kind in kinds:
+        paging = by_name[f"{endpoint}-{kind}"]
+        assert _alarm_window_s(paging) >= 300 and paging["AlarmActions"]
 
 
 def test_a_one_instance_endpoint_moves_all_at_once_and_bakes_before_the_old_fleet_goes(stacks):
@@ -227,7 +260,11 @@ def test_autoscaling_tracks_concurrent_requests_with_the_high_resolution_metric(
     assert target["ResourceId"] == "endpoint/gpu-decision/variant/AllTraffic"
     assert target["ScalableDimension"] == "sagemaker:variant:DesiredInstanceCount"
     assert (target["MinCapacity"], target["MaxCapacity"]) == (2, 4)
-    assert "AWSServiceRoleForApplicationAutoScaling_SageMakerEndpoint" in json.dumps(target["RoleARN"])
+    # Application Auto Scaling uses (and on a fresh account creates) its SageMaker service-linked role itself.
+    assert "RoleARN" not in target
+    assert not [r for r in stacks["gpu"].find_resources("AWS::IAM::Role").values()
+                if "application-autoscaling" in json.dumps(r["Properties"]["AssumeRolePolicyDocument"])]
+    stacks["gpu"].resource_count_is("AWS::IAM::ServiceLinkedRole", 0)
     policy = only(stacks["gpu"], "AWS::ApplicationAutoScaling::ScalingPolicy")["Properties"]
     tracking = policy["TargetTrackingScalingPolicyConfiguration"]
     assert tracking["PredefinedMetricSpecification"]["PredefinedMetricType"] == (
@@ -293,8 +330,9 @@ def test_metric_filters_separate_client_errors_and_weak_decisions(stacks):
 
 
 def _alarm(template: Template, metric_name: str) -> dict:
+    """The paging alarm on ``metric_name`` (not its one-minute rollback twin)."""
     alarms = [a["Properties"] for a in template.find_resources("AWS::CloudWatch::Alarm").values()
-              if a["Properties"].get("MetricName") == metric_name]
+              if a["Properties"].get("MetricName") == metric_name and "-rollback-" not in a["Properties"]["AlarmName"]]
     assert len(alarms) == 1, metric_name
     return alarms[0]
 
@@ -315,6 +353,8 @@ def test_alarms_notify_the_topic_on_alarm_and_ok(stacks):
     assert latency["ExtendedStatistic"] == "p95"
     assert latency["Threshold"] == 4000 * 1000  # ModelLatency is in microseconds
     for alarm in template.find_resources("AWS::CloudWatch::Alarm").values():
+        if "-rollback-" in alarm["Properties"]["AlarmName"]:
+            continue  # only a blue/green update acts on these
         assert alarm["Properties"]["AlarmActions"] == [{"Ref": topic_id}]
         assert alarm["Properties"]["OKActions"] == [{"Ref": topic_id}]
         assert alarm["Properties"]["AlarmName"].startswith("gpu-decision-")
@@ -421,8 +461,12 @@ def test_execution_role_names_every_resource_it_can_name(stacks):
     assert set(by_action) == {
         "s3:GetObject", "s3:ListBucket", "kms:Decrypt", "ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer",
         "ecr:BatchCheckLayerAvailability", "ecr:GetAuthorizationToken", "logs:CreateLogGroup", "logs:CreateLogStream",
-        "logs:PutLogEvents", "logs:DescribeLogStreams", "cloudwatch:PutMetricData",
+        "logs:PutLogEvents", "logs:DescribeLogStreams", "cloudwatch:PutMetricData", "cloudwatch:DescribeAlarms",
     }
+    # SageMaker reads the auto-rollback alarms with the execution role: those two, by name.
+    assert by_action["cloudwatch:DescribeAlarms"] == [{"Fn::Join": ["", [
+        "arn:", {"Ref": "AWS::Partition"}, f":cloudwatch:us-east-1:123456789012:alarm:gpu-decision-rollback-{kind}"]]}
+        for kind in ("server-errors", "latency-p95")]
     # SageMaker's documented CreateModel permissions include logs:CreateLogGroup; here it names the one group.
     assert by_action["logs:CreateLogGroup"] == [{"Fn::Join": ["", [
         "arn:", {"Ref": "AWS::Partition"}, ":logs:us-east-1:123456789012:log-group:/aws/sagemaker/Endpoints/gpu-decision"]]}]
@@ -464,6 +508,9 @@ def test_chat_endpoint_runs_the_dlc_image_with_llama_cpp_environment(stacks):
         "SM_LLAMA_CPP_BATCH_SIZE": "512", "SM_LLAMA_CPP_PARALLEL": "2", "SM_LLAMA_CPP_JINJA": "true",
     }
     statements = _statements(stacks["chat"], "ChatExecutionRole")
+    (describe,) = [s for s in statements if "cloudwatch:DescribeAlarms" in _as_list(s["Action"])]
+    assert [r["Fn::Join"][1][-1].rsplit(":", 1)[-1] for r in describe["Resource"]] == [
+        "chat-endpoint-rollback-server-errors", "chat-endpoint-rollback-latency-p95"]
     pull = [s for s in statements if "ecr:BatchGetImage" in _as_list(s["Action"])]
     assert "763104351884:repository/llama-cpp" in json.dumps(pull)
 

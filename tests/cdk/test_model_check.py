@@ -7,19 +7,19 @@ from aws_cdk import App, Environment, Stack, aws_kms as kms, aws_logs as logs, a
 from aws_cdk.assertions import Template
 
 from cdk_testing import REPO, all_stacks
-from constructs_lib.model_check import RESOURCE_TYPE, ModelCheck, manifest_key
+from constructs_lib.model_check import RESOURCE_TYPE, ModelCheck, manifest_key, transform_tarball_key
 
 ENV = Environment(account="123456789012", region="us-east-1")
 KEY_ARN = "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555"
 BUCKET = "models-bucket"
 
 
-def _check_template(model_prefix: str) -> dict:
+def _check_template(model_prefix: str, **options) -> dict:
     app = App()
     stack = Stack(app, "Check", env=ENV)
     ModelCheck(stack, "ModelCheck", model_bucket=s3.Bucket.from_bucket_name(stack, "Bucket", BUCKET),
                model_key=kms.Key.from_key_arn(stack, "Key", KEY_ARN), model_prefix=model_prefix,
-               log_retention=logs.RetentionDays.ONE_MONTH)
+               log_retention=logs.RetentionDays.ONE_MONTH, **options)
     return Template.from_stack(stack).to_json()
 
 
@@ -81,6 +81,23 @@ def test_for_a_tarball_the_check_role_names_both_objects_without_a_wildcard():
         map(str, [_object_arn("models/m/2/model-manifest.json"), _object_arn("models/m/2/model.tar.gz")]))
 
 
+def test_batch_transforms_tarball_lies_beside_the_prefix_so_the_endpoint_does_not_download_it():
+    assert transform_tarball_key("models/m/1/") == "models/m/1.tar.gz"
+    assert not transform_tarball_key("models/m/1/").startswith("models/m/1/")
+    assert transform_tarball_key("models/m/2/model.tar.gz") == "models/m/2/model.tar.gz"
+
+
+def test_with_transform_tarball_the_check_reads_and_lists_the_tarball_beside_the_prefix_too():
+    template = _check_template("models/m/1/", transform_tarball=True)
+    statements = _by_action(template)
+    assert sorted(map(str, statements["s3:GetObject"]["Resource"])) == sorted(map(str, [
+        _object_arn("models/m/1/model-manifest.json"), _object_arn("models/m/1/*.gguf"),
+        _object_arn("models/m/1.tar.gz")]))
+    assert "models/m/1.tar.gz" in statements["s3:ListBucket"]["Condition"]["StringLike"]["s3:prefix"]
+    (resource,) = [r["Properties"] for r in template["Resources"].values() if r["Type"] == RESOURCE_TYPE]
+    assert resource["TransformTarball"] == "true"
+
+
 def test_a_model_prefix_that_is_neither_a_directory_nor_a_tarball_is_refused():
     with pytest.raises(ValueError, match="end it with '/'"):
         _check_template("models/m/1")
@@ -109,9 +126,17 @@ def test_every_endpoint_stack_creates_its_model_only_after_the_model_check(reque
         check = resources[check_id]["Properties"]
         for model in models:  # the endpoint's, and in decision stacks Batch Transform's
             assert check_id in model["DependsOn"], stack.stack_name
-            served = model["Properties"]["PrimaryContainer"]["ModelDataSource"]["S3DataSource"]["S3Uri"]
-            # The check reads exactly what the Model serves.
-            assert served == f"s3://{check['Bucket']}/{check['ModelPrefix']}", stack.stack_name
+            container = model["Properties"]["PrimaryContainer"]
+            # The check reads exactly what each Model serves: the prefix, or Batch Transform's tarball beside it.
+            if "ModelDataSource" in container:
+                served = container["ModelDataSource"]["S3DataSource"]["S3Uri"]
+                assert served == f"s3://{check['Bucket']}/{check['ModelPrefix']}", stack.stack_name
+            else:
+                assert container["ModelDataUrl"] == (
+                    f"s3://{check['Bucket']}/{transform_tarball_key(check['ModelPrefix'])}"), stack.stack_name
+                assert check["TransformTarball"] == "true", stack.stack_name
+        if stack.stack_name.endswith("-text"):
+            assert "TransformTarball" not in check  # no Batch Transform on the chat path
         (function,) = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::Lambda::Function"]
         assert function["Runtime"] == "python3.14"
 

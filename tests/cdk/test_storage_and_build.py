@@ -193,10 +193,10 @@ def test_central_repository_keeps_immutable_scanned_encrypted_images_and_lets_en
     assert image_repo["EncryptionConfiguration"]["EncryptionType"] == "KMS"
     lifecycle = json.loads(image_repo["LifecyclePolicyText"] if "LifecyclePolicyText" in image_repo
                            else image_repo["LifecyclePolicy"]["LifecyclePolicyText"])
-    # The images each environment was last deployed with first; the 'any' rule (which ECR requires last) cannot
-    # expire an image a higher-priority rule's tags select (tests/cdk/test_app.py simulates 60 releases).
+    # The images each environment was last deployed with first, prod ahead of dev; the 'any' rule (which ECR
+    # requires last) cannot expire an image a higher-priority rule's tags select.
     rules = sorted(lifecycle["rules"], key=lambda r: r["rulePriority"])
-    assert [r["selection"].get("tagPrefixList") for r in rules] == [["deployed-dev-"], ["deployed-prod-"], None]
+    assert [r["selection"].get("tagPrefixList") for r in rules] == [["deployed-prod-"], ["deployed-dev-"], None]
     assert rules[-1]["selection"]["tagStatus"] == "any"
     assert all(r["selection"]["countNumber"] == 12 for r in rules)
     (statement,) = image_repo["RepositoryPolicyText"]["Statement"]
@@ -207,6 +207,55 @@ def test_central_repository_keeps_immutable_scanned_encrypted_images_and_lets_en
     (cache_repo,) = [r["Properties"] for r in repositories.values()
                      if r["Properties"]["RepositoryName"] == "semif/adapter-build-cache"]
     assert cache_repo["ImageTagMutability"] == "MUTABLE"  # BuildKit rewrites one cache tag per variant
+
+
+def ecr_lifecycle_expires(policy: dict, images: list[dict]) -> set[str]:
+    """The digests ECR's lifecycle expires, by its documented evaluation: rules from the lowest ``rulePriority``
+    up; an image is expired by exactly one or zero rules, and an image that matches the tags of a higher-priority
+    rule cannot be expired by a lower-priority one (it is that rule's, kept or expired); ``imageCountMoreThan``
+    keeps the newest pushed of the images a rule selects. ``images``: ``{"digest", "pushed", "tags"}``."""
+    claimed: set[str] = set()
+    expired: set[str] = set()
+    for rule in sorted(policy["rules"], key=lambda r: r["rulePriority"]):
+        selection = rule["selection"]
+        assert selection["countType"] == "imageCountMoreThan"
+        if selection["tagStatus"] == "tagged":
+            prefixes = tuple(selection["tagPrefixList"])
+            matching = [i for i in images if any(t.startswith(prefixes) for t in i["tags"])]
+        elif selection["tagStatus"] == "untagged":
+            matching = [i for i in images if not i["tags"]]
+        else:
+            matching = list(images)
+        mine = sorted((i for i in matching if i["digest"] not in claimed), key=lambda i: i["pushed"], reverse=True)
+        expired |= {i["digest"] for i in mine[selection["countNumber"]:]}
+        claimed |= {i["digest"] for i in mine}
+    return expired
+
+
+def _lifecycle_policy(environments: list[str], keep: int) -> dict:
+    stack = Stack(App(), "Lifecycle", env=Environment(account="333333333333", region="us-east-1"))
+    AdapterImageRepository(stack, "AdapterImages", keep_last_images=keep, pull_accounts=[],
+                           environments=environments)
+    (repository,) = [r["Properties"] for r in Template.from_stack(stack).find_resources("AWS::ECR::Repository").values()
+                     if r["Properties"]["RepositoryName"] == "semif/adapter"]
+    return json.loads(repository["LifecyclePolicy"]["LifecyclePolicyText"])
+
+
+def test_a_promoted_image_also_tagged_for_earlier_environments_is_never_expired_by_their_rules():
+    """One image deployed to dev, staging and prod; then dev and staging move on by more than ``keep`` images while
+    prod keeps running it. Only prod's rule may decide its fate, and prod deployed nothing since."""
+    keep = 3
+    policy = _lifecycle_policy(["dev", "staging", "prod"], keep)
+    promoted = {"digest": "promoted", "pushed": 0,
+                "tags": ["hash-0", "deployed-dev-promoted", "deployed-staging-promoted", "deployed-prod-promoted"]}
+    later = [{"digest": f"later-{n}", "pushed": n + 1, "tags": [f"hash-{n + 1}", f"deployed-dev-later-{n}"]
+              + ([f"deployed-staging-later-{n}"] if n % 2 else [])} for n in range(4 * keep)]
+    assert "promoted" not in ecr_lifecycle_expires(policy, [promoted, *later])
+    # An image in dev and staging only is staging's; it goes once staging deployed ``keep`` newer ones, which dev
+    # deployed too: neither environment still needs it.
+    staged = {**promoted, "tags": ["hash-0", "deployed-dev-promoted", "deployed-staging-promoted"]}
+    assert "promoted" in ecr_lifecycle_expires(policy, [staged, *later])
+    assert "promoted" not in ecr_lifecycle_expires(policy, [staged, *later[:2 * keep - 1]])
 
 
 def test_image_repository_outlives_the_pipeline_stack(images):

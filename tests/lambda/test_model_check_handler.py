@@ -356,3 +356,78 @@ def test_on_event_answers_failed_instead_of_hanging_when_the_event_is_malformed(
     handler.on_event({**event, "ResponseURL": url})
     ((_, body),) = received
     assert body["Status"] == "FAILED" and body["Reason"] == "model check crashed: KeyError: 'Bucket'"
+
+
+# --- Batch Transform's tarball (the decision stack's check) --------------------------------------
+
+TRANSFORM_KEY = "models/tiny/v1.tar.gz"
+
+
+def _transform_event(**extra) -> dict:
+    event = _event(**extra)
+    event["ResourceProperties"]["TransformTarball"] = "true"
+    return event
+
+
+def test_the_handler_and_the_stack_name_the_same_transform_tarball():
+    from constructs_lib.model_check import transform_tarball_key
+
+    for prefix in (PREFIX, TAR_PREFIX, "team/x/m/7/"):
+        assert handler.transform_tarball_key(prefix) == transform_tarball_key(prefix)
+    assert handler.transform_tarball_key(PREFIX) == TRANSFORM_KEY
+
+
+def test_an_upload_writes_the_transform_tarball_beside_the_prefix_and_the_check_compares_its_checksum(s3, tiny_gguf):
+    _upload(tiny_gguf)
+    result = handler.handle(_transform_event(), s3)
+    assert result["Status"] == "SUCCESS", result
+    assert result["Data"]["TransformObject"] == f"s3://{BUCKET}/{TRANSFORM_KEY}"
+    record = _manifest(s3)["transform_tarball"]
+    head = s3.head_object(Bucket=BUCKET, Key=TRANSFORM_KEY, ChecksumMode="ENABLED")
+    assert (record["file"], record["size_bytes"]) == ("v1.tar.gz", head["ContentLength"])
+    assert head["ChecksumSHA256"].split("-")[0] == record["s3_checksum_sha256"].split("-")[0]
+
+
+def test_a_replaced_transform_tarball_fails_the_decision_check_but_not_the_chat_check(s3, tiny_gguf):
+    _upload(tiny_gguf)
+    archive = s3.get_object(Bucket=BUCKET, Key=TRANSFORM_KEY)["Body"].read()
+    # Same size, other bytes: only the checksum can tell.
+    s3.put_object(Bucket=BUCKET, Key=TRANSFORM_KEY, Body=archive[:-1] + bytes([archive[-1] ^ 1]),
+                  ChecksumAlgorithm="SHA256")
+    result = handler.handle(_transform_event(), s3)
+    assert result["Status"] == "FAILED"
+    assert f"s3://{BUCKET}/{TRANSFORM_KEY} has S3 checksum" in result["Reason"]
+    assert "--name tiny --version v1 --force" in result["Reason"]
+    assert handler.handle(_event(), s3)["Status"] == "SUCCESS"  # no Batch Transform there: not its concern
+
+
+def test_a_missing_transform_tarball_or_a_manifest_without_one_fails_the_decision_check(s3, tiny_gguf):
+    _upload(tiny_gguf)
+    s3.delete_object(Bucket=BUCKET, Key=TRANSFORM_KEY)
+    result = handler.handle(_transform_event(), s3)
+    assert result["Status"] == "FAILED"
+    assert f"s3://{BUCKET}/{TRANSFORM_KEY} is missing" in result["Reason"]
+    manifest = _manifest(s3)
+    del manifest["transform_tarball"]  # a model uploaded before the tool wrote the tarball
+    s3.put_object(Bucket=BUCKET, Key=PREFIX + "model-manifest.json", Body=json.dumps(manifest).encode())
+    result = handler.handle(_transform_event(), s3)
+    assert result["Status"] == "FAILED"
+    assert "records no Batch Transform tarball" in result["Reason"]
+    assert "upload" in result["Reason"] and "--force" in result["Reason"]
+
+
+def test_a_tar_gz_model_is_its_own_transform_tarball(s3, tiny_gguf):
+    _upload(tiny_gguf, "--tar-gz")
+    result = handler.handle(_transform_event(model_prefix=TAR_PREFIX), s3)
+    assert result["Status"] == "SUCCESS", result
+    assert "TransformObject" not in result["Data"]
+    assert "transform_tarball" not in _manifest(s3)
+
+
+def test_the_pipelines_command_line_check_includes_the_transform_tarball(s3, tiny_gguf, capsys):
+    _upload(tiny_gguf)
+    s3.delete_object(Bucket=BUCKET, Key=TRANSFORM_KEY)
+    args = ["--bucket", BUCKET, "--model-prefix", PREFIX, "--manifest-key", PREFIX + "model-manifest.json"]
+    assert handler.main(args, s3) == 0
+    assert handler.main(args + ["--transform-tarball"], s3) == 1
+    assert f"{TRANSFORM_KEY} is missing" in capsys.readouterr().err

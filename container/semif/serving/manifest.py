@@ -64,6 +64,10 @@ class ModelManifest(BaseModel):
     packer_version: Optional[str] = None
     # Present in the manifest stored in S3 (written by the packaging tool after a verified upload).
     stored: Optional[StoredObject] = None
+    # The uncompressed layout only: the same GGUF and manifest as ``model.tar.gz``, for SageMaker Batch Transform
+    # (which takes ModelDataUrl, never an uncompressed prefix). It lies beside the version's prefix, not in it
+    # (the endpoint downloads everything in the prefix): ``file`` is ``<version>.tar.gz`` next to ``<version>/``.
+    transform_tarball: Optional[StoredObject] = None
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(exclude_none=True), indent=2, sort_keys=True) + "\n"

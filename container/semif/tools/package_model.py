@@ -45,6 +45,7 @@ from ..serving.manifest import (
 
 DEFAULT_PREFIX = "models"
 TARBALL_NAME = "model.tar.gz"
+TARBALL_SUFFIX = ".tar.gz"
 PACKER = f"semif-package-model {__version__}"
 MIB = 1 << 20
 DEFAULT_PART_SIZE_MIB = 64
@@ -327,6 +328,12 @@ class S3Location:
     def uri(self, name: str = "") -> str:
         return f"s3://{self.bucket}/{self.prefix}{name}"
 
+    def transform_tarball(self) -> tuple["S3Location", str]:
+        """Where Batch Transform's ``model.tar.gz`` of this version lies: ``<version>.tar.gz`` beside the version's
+        prefix, as (the parent location, the file name)."""
+        parent, _, version = self.prefix.rstrip("/").rpartition("/")
+        return S3Location(self.bucket, f"{parent}/" if parent else ""), f"{version}{TARBALL_SUFFIX}"
+
 
 def model_location(bucket: str, name: str, version: str, models_prefix: str = DEFAULT_PREFIX) -> S3Location:
     for label, value in (("name", name), ("version", version)):
@@ -523,18 +530,17 @@ def cmd_upload(args) -> int:
         version = args.version or prepared.digest.sha256[:12]
         location = model_location(args.bucket, name, version, args.prefix)
 
+        transform_path: Optional[Path] = None
+        transform: Optional[StoredObject] = None
         if args.tar_gz:
             upload_path, digest = _tarball(prepared, Path(scratch), args.part_size_mib, bars)
         else:
             upload_path, digest = prepared.gguf_path, prepared.digest
-        stored = StoredObject(
-            file=upload_path.name,
-            sha256=digest.sha256,
-            size_bytes=digest.size_bytes,
-            s3_checksum_sha256=digest.s3_checksum_sha256,
-            part_size_bytes=digest.part_size_bytes,
-        )
-        manifest = prepared.manifest.model_copy(update={"stored": stored})
+            # Batch Transform cannot read an uncompressed prefix: the same model as a tarball, beside the prefix.
+            transform_path, transform_digest = _tarball(prepared, Path(scratch), args.part_size_mib, bars)
+            transform = _stored(location.transform_tarball()[1], transform_digest)
+        stored = _stored(upload_path.name, digest)
+        manifest = prepared.manifest.model_copy(update={"stored": stored, "transform_tarball": transform})
         plan = _plan(location, manifest, args)
 
         if args.dry_run:
@@ -546,6 +552,10 @@ def cmd_upload(args) -> int:
 
         s3 = s3_client(args.region, args.endpoint_url)
         existing = _prefix_has_objects(s3, location)
+        if transform is not None:
+            parent, name = location.transform_tarball()
+            existing += [k for k in _prefix_has_objects(s3, S3Location(parent.bucket, parent.key(name)))
+                         if k == parent.key(name)]
         if existing and not args.force:
             raise VersionExistsError(
                 f"{location.uri()} already holds {', '.join(existing)}; refusing to overwrite (pass --force, "
@@ -560,6 +570,12 @@ def cmd_upload(args) -> int:
             kms_key_id=args.kms_key_id,
             progress=bars.track(f"uploading {upload_path.name}", digest.size_bytes),
         )
+        if transform is not None and transform_path is not None:
+            parent, _ = location.transform_tarball()
+            upload_file_verified(
+                s3, transform_path, parent, transform, content_type="application/gzip", kms_key_id=args.kms_key_id,
+                progress=bars.track(f"uploading {transform.file}", transform.size_bytes),
+            )
         # The manifest goes last: a prefix without one is an interrupted upload, never a usable model.
         manifest_bytes = manifest.to_json().encode()
         put = dict(
@@ -577,6 +593,11 @@ def cmd_upload(args) -> int:
     return EXIT_OK
 
 
+def _stored(file: str, digest: FileDigest) -> StoredObject:
+    return StoredObject(file=file, sha256=digest.sha256, size_bytes=digest.size_bytes,
+                        s3_checksum_sha256=digest.s3_checksum_sha256, part_size_bytes=digest.part_size_bytes)
+
+
 def _plan(location: S3Location, manifest: ModelManifest, args) -> dict:
     stored = manifest.stored
     assert stored is not None
@@ -589,16 +610,25 @@ def _plan(location: S3Location, manifest: ModelManifest, args) -> dict:
         f"refuse if {location.uri()} holds any object" + (" (no: --force)" if args.force else ""),
         f"upload {stored.file} ({stored.size_bytes} bytes, {how}) to {location.uri(stored.file)} with SHA-256 checksums",
         f"check S3 reports ChecksumSHA256 {stored.s3_checksum_sha256} and {stored.size_bytes} bytes",
-        f"upload {MANIFEST_NAME} to {location.uri(MANIFEST_NAME)}",
     ]
+    transform = manifest.transform_tarball
+    if transform is not None:
+        parent, _ = location.transform_tarball()
+        steps += [
+            f"upload {transform.file} ({transform.size_bytes} bytes, the same model for Batch Transform) to "
+            f"{parent.uri(transform.file)} and check its checksum {transform.s3_checksum_sha256}",
+        ]
+    steps.append(f"upload {MANIFEST_NAME} to {location.uri(MANIFEST_NAME)}")
     if args.tar_gz:
         model_data = {"ModelDataUrl": location.uri(stored.file)}
+        batch_model_data = model_data
     else:
         model_data = {
             "ModelDataSource": {
                 "S3DataSource": {"S3Uri": location.uri(), "S3DataType": "S3Prefix", "CompressionType": "None"}
             }
         }
+        batch_model_data = {"ModelDataUrl": location.transform_tarball()[0].uri(transform.file)}
     return {
         "bucket": location.bucket,
         "prefix": location.prefix,
@@ -607,6 +637,7 @@ def _plan(location: S3Location, manifest: ModelManifest, args) -> dict:
         "model_sha256": manifest.sha256,
         "stored": stored.model_dump(),
         "sagemaker": model_data,
+        "sagemaker_batch_transform": batch_model_data,
         "manifest": json.loads(manifest.to_json()),
         "steps": steps,
     }
@@ -664,6 +695,13 @@ def cmd_verify(args) -> int:
     problems += stored_object_problems(head, stored)
     if stored.file == manifest.file and stored.sha256 != manifest.sha256:
         problems.append(f"stored record says sha256 {stored.sha256}; the model's is {manifest.sha256}")
+    transform = manifest.transform_tarball or remote_manifest.transform_tarball
+    if transform is not None:
+        parent, _ = location.transform_tarball()
+        transform_head = _aws_call(f"reading {parent.uri(transform.file)}", s3.head_object, Bucket=location.bucket,
+                                   Key=parent.key(transform.file), ChecksumMode="ENABLED")
+        problems += [f"{transform.file} (Batch Transform): {p}"
+                     for p in stored_object_problems(transform_head, transform)]
 
     if problems:
         _say(f"FAILED {location.uri(stored.file)}")
