@@ -193,7 +193,8 @@ def test_stagings_check_role_reads_only_the_labeled_data_and_the_reports_and_inv
     model = "models/qwen2.5-coder-1.5b-instruct-q4_k_m/1/"
     assert _allowed(shared, role, "s3:GetObject") == sorted([
         f"{bucket}/eval/decisions.jsonl", f"{bucket}/reports/prod/report.json", f"{bucket}/reports/staging/*",
-        f"{bucket}/{model}*.gguf", f"{bucket}/{model}model-manifest.json"])  # the last two: the model check's
+        f"{bucket}/{model}*.gguf", f"{bucket}/{model}model-manifest.json",
+        f"{bucket}/{model.rstrip('/')}.tar.gz"])  # the last three: the model check's
     assert _allowed(shared, role, "s3:PutObject") == [f"{bucket}/reports/prod/report.json", f"{bucket}/reports/staging/*"]
     for action in ("s3:DeleteObject", "s3:PutObjectAcl", "s3:*", "s3:GetObject*"):
         assert _allowed(shared, role, action) == [], action
