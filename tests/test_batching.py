@@ -193,16 +193,16 @@ def test_a_serial_answer_after_a_batch_equals_a_cold_serial_answer(at_defaults):
 
 
 def test_a_state_decoded_in_a_batch_is_never_snapshotted_for_the_serial_path(at_defaults):
-    """State A is hot on the serial path; a batch then decodes it again and leaves it in sequence 0; a serial
-    request for B leaves A. A snapshot taken there would hold the batch's KV and be restored for A's next
+    """State A is hot on the serial path; a batch then decodes it again, beside another state, and leaves it in
+    sequence 0; a serial request for B leaves A. A snapshot taken there would hold the batch's KV and be restored for A's next
     serial request."""
     eng = at_defaults
     _cold(eng)
-    a, b, other = STATES[0], STATES[2], STATES[3]
+    a, b, other = " ".join([STATES[0]] * 3), STATES[2], STATES[3]  # A long enough to be worth a snapshot
     eng.score(a, [ROUTE])
     eng.score(a, [IS_ACCOUNT])  # A planned twice: hot
     execute_batch(eng, [eng.plan(other, [TONE])])  # sequence 0 now holds another state...
-    execute_batch(eng, [eng.plan(a, [TONE])])  # ...then A, decoded in the batch
+    execute_batch(eng, [eng.plan(STATES[1], [TONE]), eng.plan(a, [TONE])])  # ...then A, decoded beside another
     eng.score(b, [ROUTE])
     restores = eng.prefix_restores
     again = eng.score(a, [PRIORITY])
