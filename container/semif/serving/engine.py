@@ -778,8 +778,8 @@ class Engine:
         """Put a restored snapshot back, as the most recently used, if it fits beside the others: it never
         evicts one, since the context already holds its prefix (room for one and two states alternating:
         the cache holds the one the context does not, so each switch restores)."""
-        if self._prefix_snapshot_bytes + entry.data.nbytes <= self.prefix_cache_bytes:
-            key = _prefix_key(entry.segments)
+        key = _prefix_key(entry.segments)
+        if key not in self._prefix_snapshots and self._prefix_snapshot_bytes + entry.data.nbytes <= self.prefix_cache_bytes:
             self._prefix_snapshots[key] = entry
             self._prefix_snapshots.move_to_end(key)
             self._prefix_snapshot_bytes += entry.data.nbytes
