@@ -317,10 +317,15 @@ class Engine:
         self.prefix_snapshots_taken = 0
         self.prefix_restores = 0  # snapshots restored instead of evaluating their tokens
         self.prefix_restored_tokens = 0
+        self.prefix_snapshot_failures = 0  # saves or restores that raised or were refused (answered cold instead)
         self._decoded_from: Optional[int] = None  # lowest position decoded in the current request
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._batch_seq_ready = False  # n_seq_id / seq_id of every batch slot hold (1, SEQ): _fill_batch
         self._segments: list[tuple[int, ...]] = []  # what the context holds, in evaluation segments
+        # Of those, how many leading segments the serial path evaluated itself (or restored from its own
+        # snapshots). The rest came out of a batched decode (batching.py), in other batch shapes: the
+        # batched path may reuse them, the serial path, its label memo and its snapshots never do.
+        self._serial_segments = 0
         # Label logits of recently scored prompts, keyed by their exact tokens: an identical question
         # about an identical state is answered with the logits it already produced (exact by construction).
         self._label_memo: "OrderedDict[bytes, tuple[list[float], float]]" = OrderedDict()
@@ -515,6 +520,7 @@ class Engine:
         # tokens) on every request with the prefix cache off. Recurrent states: cleared with their data.
         self._lc.llama_memory_clear(self._memory, not self.partial_rewind)
         self._segments = []
+        self._serial_segments = 0
         self._snapshot = None
         if not (self.prefix_cache and self.label_memo):
             self._label_memo.clear()
@@ -526,6 +532,7 @@ class Engine:
         n_keep = sum(len(s) for s in self._segments[:n_segments])
         if self.partial_rewind and self._lc.llama_memory_seq_rm(self._memory, SEQ, n_keep, -1):
             self._segments = self._segments[:n_segments]
+            self._serial_segments = min(self._serial_segments, n_segments)
             return
         snap = self._snapshot
         if snap is not None and len(snap[0]) <= n_segments and self._segments[: len(snap[0])] == snap[0]:
@@ -536,6 +543,7 @@ class Engine:
                 return
             self.snapshot_restores += 1
             self._segments = list(snap[0])
+            self._serial_segments = len(self._segments)  # taken by _ensure_prefix, on the serial path
             return
         self.invalidate()
 
@@ -586,6 +594,8 @@ class Engine:
             for pos in sorted(p for p in want if first <= p < first + n):
                 ptr = lc.llama_get_logits_ith(self._ctx, pos - first)
                 rows[pos] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        if self._serial_segments == len(self._segments):
+            self._serial_segments += 1
         self._segments.append(tuple(tokens))
         return rows
 
@@ -597,7 +607,8 @@ class Engine:
             raise PromptTooLong(total, self.n_ctx)
         keep = 0
         limit = len(segments) - 1  # the segment whose logits we need is always evaluated
-        while keep < min(limit, len(self._segments)) and self._segments[keep] == tuple(segments[keep]):
+        # Only segments the serial path evaluated are reused: a prefix decoded in a batch is evaluated again.
+        while keep < min(limit, self._serial_segments) and self._segments[keep] == tuple(segments[keep]):
             keep += 1
         if self._prefix_snapshots_enabled:
             keep = self._use_prefix_snapshots(segments, keep, limit)
@@ -668,7 +679,14 @@ class Engine:
             lc.llama_memory_seq_cp(memory, seq, SEQ, -1, -1)
         for other in range(1, n_used):  # SEQ is 0: every borrowed sequence, ``seq`` included
             lc.llama_memory_seq_rm(memory, other, -1, -1)
-        self._segments = [tuple(segment) for segment in segments]
+        kept = [tuple(segment) for segment in segments]
+        # The leading segments sequence SEQ held before the step, from the serial path, are still those
+        # cells (the step shares them; it decoded only what came after); everything else is the batch's.
+        serial = 0
+        while serial < min(self._serial_segments, len(kept)) and self._segments[serial] == kept[serial]:
+            serial += 1
+        self._segments = kept
+        self._serial_segments = serial
 
     # ---- prefix snapshots (more than one prefix warm) --------------------------------------------
     #
@@ -695,6 +713,7 @@ class Engine:
             "taken": self.prefix_snapshots_taken,
             "restores": self.prefix_restores,
             "restored_tokens": self.prefix_restored_tokens,
+            "failures": self.prefix_snapshot_failures,
         }
 
     def clear_prefix_snapshots(self) -> None:
@@ -720,7 +739,8 @@ class Engine:
         """Before the context drops what it holds beyond ``keep`` segments: save its deepest hot prefix,
         then restore the deepest snapshot that starts ``segments`` (within the first ``limit``) if that
         spares enough evaluation. Returns how many leading segments of ``segments`` the context now holds
-        (or ``keep``, for the caller's rewind)."""
+        (or ``keep``, for the caller's rewind). A save or restore that fails leaves the context empty
+        (0): the request is then evaluated cold, as if no snapshot had existed."""
         keep_tokens = sum(len(s) for s in segments[:keep])
         found: Optional[_PrefixSnapshot] = None
         n_tokens = keep_tokens
@@ -731,18 +751,53 @@ class Engine:
             entry = self._prefix_snapshots.get(_prefix_key(segments[:m]))
             if entry is not None and entry.segments == tuple(tuple(s) for s in segments[:m]):
                 found = entry
+        if found is not None:
+            # Out of the cache before the save below, which may evict the least recently used snapshot:
+            # with room for one, that is exactly the one about to be restored. Once restored it is what
+            # the context holds, so the context, not the cache, keeps it warm (see _keep_restored).
+            self._drop_snapshot(_prefix_key(found.segments))
         if keep < len(self._segments):
-            self._save_prefix(keep)
+            try:
+                self._save_prefix(keep)
+            except Exception:
+                self._snapshot_failed("save")
+                keep = 0
         if found is None:
             return keep
-        return self._restore_prefix(found, keep)
+        restored = self._restore_prefix(found)
+        if restored:
+            self._keep_restored(found)
+        return restored
+
+    def _drop_snapshot(self, key: int) -> None:
+        dropped = self._prefix_snapshots.pop(key, None)
+        if dropped is not None:
+            self._prefix_snapshot_bytes -= dropped.data.nbytes
+
+    def _keep_restored(self, entry: _PrefixSnapshot) -> None:
+        """Put a restored snapshot back, as the most recently used, if it fits beside the others: it never
+        evicts one, since the context already holds its prefix (room for one and two states alternating:
+        the cache holds the one the context does not, so each switch restores)."""
+        key = _prefix_key(entry.segments)
+        if key not in self._prefix_snapshots and self._prefix_snapshot_bytes + entry.data.nbytes <= self.prefix_cache_bytes:
+            self._prefix_snapshots[key] = entry
+            self._prefix_snapshots.move_to_end(key)
+            self._prefix_snapshot_bytes += entry.data.nbytes
+
+    def _snapshot_failed(self, what: str) -> None:
+        """A snapshot copy raised: empty the context (llama.cpp may have written part of a sequence) and go on
+        cold. The request is answered; the warning says what happened."""
+        self.prefix_snapshot_failures += 1
+        log.warning("prefix snapshot %s failed; the prefix is evaluated instead", what, exc_info=True)
+        self.invalidate()
 
     def _save_prefix(self, keep: int) -> None:
-        """Snapshot the deepest hot boundary of the context beyond ``keep`` segments, not already saved."""
+        """Snapshot the deepest hot boundary of the context beyond ``keep`` segments, not already saved.
+        Only boundaries within what the serial path evaluated: a prefix decoded in a batch is never saved."""
         context = self._segments
         keep_tokens = sum(len(s) for s in context[:keep])
         lengths = np.cumsum([len(s) for s in context]).tolist()
-        for m in range(len(context), keep, -1):
+        for m in range(min(len(context), self._serial_segments), keep, -1):
             if lengths[m - 1] - keep_tokens < PREFIX_SNAPSHOT_MIN_TOKENS:
                 break
             key = _prefix_key(context[:m])
@@ -754,6 +809,7 @@ class Engine:
             if not self._lc.llama_memory_seq_rm(self._memory, SEQ, lengths[m - 1], -1):
                 return
             self._segments = context[:m]
+            self._serial_segments = min(self._serial_segments, m)
             size = self._lc.llama_state_seq_get_size(self._ctx, SEQ)
             if size <= 0 or size > self.prefix_cache_bytes:
                 return
@@ -769,20 +825,26 @@ class Engine:
                 self._prefix_snapshot_bytes -= dropped.data.nbytes
             return
 
-    def _restore_prefix(self, entry: _PrefixSnapshot, keep: int) -> int:
+    def _restore_prefix(self, entry: _PrefixSnapshot) -> int:
+        """Bring the context to exactly ``entry``'s prefix; return its segment count, or 0 (context empty)
+        when llama.cpp refuses or raises: the caller then evaluates the prefix instead."""
         lc = self._lc
-        lc.llama_memory_seq_rm(self._memory, SEQ, -1, -1)  # removing a whole sequence never fails
-        self._segments = []
-        key = _prefix_key(entry.segments)
-        data = entry.data
-        if lc.llama_state_seq_set_data(self._ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), data.nbytes, SEQ) == 0:
-            # Cannot happen with a snapshot of this context; if it does, drop it and evaluate instead.
-            self._prefix_snapshots.pop(key, None)
-            self._prefix_snapshot_bytes -= data.nbytes
+        try:
+            lc.llama_memory_seq_rm(self._memory, SEQ, -1, -1)  # removing a whole sequence never fails
+            self._segments = []
+            self._serial_segments = 0
+            data = entry.data
+            ok = lc.llama_state_seq_set_data(self._ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), data.nbytes, SEQ)
+        except Exception:
+            self._snapshot_failed("restore")
+            return 0
+        if ok == 0:  # cannot happen with a snapshot of this context; the snapshot is not kept
+            self.prefix_snapshot_failures += 1
+            log.warning("prefix snapshot restore refused by llama.cpp; the prefix is evaluated instead")
             self.invalidate()
             return 0
-        self._prefix_snapshots.move_to_end(key)
         self._segments = list(entry.segments)
+        self._serial_segments = len(self._segments)  # snapshots are only taken of serial segments
         self.prefix_restores += 1
         self.prefix_restored_tokens += entry.n_tokens
         return len(entry.segments)
@@ -958,7 +1020,7 @@ class Engine:
         if self._snapshot is not None and self._snapshot[0] == wanted:
             return
         keep = 0
-        while keep < min(len(wanted), len(self._segments)) and self._segments[keep] == wanted[keep]:
+        while keep < min(len(wanted), self._serial_segments) and self._segments[keep] == wanted[keep]:
             keep += 1
         self._rewind(keep)
         for segment in prefix[len(self._segments) :]:
