@@ -39,7 +39,7 @@ def body_of(shape: str, size: int) -> bytes:
         return head + b"a" * (size - len(head))
     if shape == "tiny_strings":  # 99 levels of arrays around many empty strings, as a System One state
         head, tail = b'{"state":' + b"[" * 98, b"]" * 98 + b"," + NOUL.encode() + b"}"
-        count = (size - len(head) - len(tail)) // 3
+        count = (size - len(head) - len(tail) - 2) // 3
         return head + b'"",' * count + b'""' + tail
     if shape == "deep_nesting":
         return b"[" * (size // 2) + b"]" * (size // 2)
@@ -47,7 +47,7 @@ def body_of(shape: str, size: int) -> bytes:
         depth = 95
         head = b'{"state":' + b'{"a":' * depth + b"["
         tail = b"]" + b"}" * depth + b"," + NOUL.encode() + b"}"
-        count = (size - len(head) - len(tail)) // 2
+        count = (size - len(head) - len(tail) - 1) // 2
         return head + b"0," * count + b"0" + tail
     if shape == "plain_state":  # a valid SemIf decision whose state fills the body: the cost of a legal body
         head = b'{"decision":{"question":"Which queue?","options":[{"id":"a"},{"id":"b"}],"state":"'
