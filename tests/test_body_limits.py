@@ -320,7 +320,9 @@ def test_bodies_past_the_byte_budget_get_503_with_retry_after_until_the_budget_i
         slow = socket.create_connection(("127.0.0.1", proc.port), timeout=30)
         slow.sendall(head + padded[:1000])  # 60,000 bytes declared, reserved before they arrive
         time.sleep(0.5)
-        refused = httpx.post(proc.base_url + "/invocations", json=DECISION, timeout=30.0)
+        second = body + b" " * (10_000 - len(body))  # 60,000 + 10,000 > 65,536
+        refused = httpx.post(proc.base_url + "/invocations", content=second, timeout=30.0,
+                             headers={"content-type": "application/json"})
         assert refused.status_code == 503, refused.text
         assert refused.headers["retry-after"] == "2"
         assert refused.json()["error"]["code"] == "overloaded"
@@ -334,6 +336,8 @@ def test_bodies_past_the_byte_budget_get_503_with_retry_after_until_the_budget_i
         assert _status_and_headers(answer)[0] == 200
         # Given back: the same request is read now, and a refused one leaves nothing held either.
         for _ in range(3):
-            assert httpx.post(proc.base_url + "/invocations", json=DECISION, timeout=30.0).status_code == 200
+            again = httpx.post(proc.base_url + "/invocations", content=second, timeout=30.0,
+                               headers={"content-type": "application/json"})
+            assert again.status_code == 200, again.text
     finally:
         proc.stop()
