@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,14 +44,14 @@ def body_of(shape: str, size: int) -> bytes:
         return head + b'"",' * count + b'""' + tail
     if shape == "deep_nesting":
         return b"[" * (size // 2) + b"]" * (size // 2)
-    if shape == "render_growth":  # a small deep object whose indent-2 rendering is ~100 times larger
+    if shape == "render_growth":  # a deep object of short strings (under the value cap) rendering to ~20x its size
         depth = 95
         head = b'{"state":' + b'{"a":' * depth + b"["
         tail = b"]" + b"}" * depth + b"," + NOUL.encode() + b"}"
-        count = (size - len(head) - len(tail) - 1) // 2
-        return head + b"0," * count + b"0" + tail
+        count = (size - len(head) - len(tail) - 8) // 9
+        return head + b'"aaaaaa",' * count + b'"aaaaaa"' + tail
     if shape == "plain_state":  # a valid SemIf decision whose state fills the body: the cost of a legal body
-        head = b'{"decision":{"question":"Which queue?","options":[{"id":"a"},{"id":"b"}],"state":"'
+        head = b'{"decision":{"id":"d","question":"Which queue?","options":[{"id":"a"},{"id":"b"}],"state":"'
         tail = b'"}}'
         words = b"The customer was charged twice. " * (size // 32 + 1)
         return head + words[: size - len(head) - len(tail)] + tail
@@ -60,8 +61,6 @@ def body_of(shape: str, size: int) -> bytes:
 WORKER = r"""
 import json, resource, sys, time, tracemalloc
 sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[2])
-import bench_body
 from semif.serving.contracts import openai_decisions, semif as semif_contract, systemone
 from semif.serving.contracts.base import Limits, RequestError
 try:
@@ -81,9 +80,9 @@ def admit(raw):
     except RequestError as error:
         return f"{error.status} {error.code}", error.field, None
 
-shape, size = sys.argv[3], int(sys.argv[4])
-raw = bench_body.body_of(shape, size)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+shape, path = sys.argv[2], sys.argv[3]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # after the imports; the body counts
+raw = open(path, "rb").read()
 started = time.perf_counter()
 outcome, field, state_chars = admit(raw)
 seconds = time.perf_counter() - started
@@ -100,12 +99,17 @@ print(json.dumps({"shape": shape, "bytes": len(raw), "seconds": round(seconds, 4
 
 
 def run_case(src: Path, shape: str, size: int, timeout: float) -> dict:
-    command = [sys.executable, "-c", WORKER, str(src), str(REPO / "tools"), shape, str(size)]
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONHASHSEED": "0"})
-    except subprocess.TimeoutExpired:
-        return {"shape": shape, "bytes": len(body_of(shape, size)), "seconds": None, "outcome": f"not done in {timeout:g} s"}
+    raw = body_of(shape, size)
+    with tempfile.NamedTemporaryFile(suffix=".json") as body_file:
+        body_file.write(raw)
+        body_file.flush()
+        command = [sys.executable, "-c", WORKER, str(src), shape, body_file.name]
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, "PYTHONHASHSEED": "0"})
+        except subprocess.TimeoutExpired:
+            return {"shape": shape, "bytes": len(raw), "seconds": None, "outcome": f"not done in {timeout:g} s"}
     if done.returncode != 0:
         raise RuntimeError(f"{shape} {size}: {done.stderr[-2000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
