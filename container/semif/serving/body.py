@@ -260,7 +260,7 @@ class BodyReservation:
                 raise BodyBudgetExceeded(
                     503, "overloaded",
                     f"request bodies being read now hold {in_use} of {budget.limit_bytes} bytes "
-                    f"(SEMIF_BODY_BUDGET_BYTES); retry after Retry-After", "<body>")
+                    f"(SEMIF_BODY_BUDGET_BYTES); retry after the Retry-After delay", "<body>")
             budget.in_use += size - self.held
             self.held = size
 
