@@ -135,7 +135,9 @@ def main(argv=None) -> int:
             print(f"{shape:<20} {row['bytes']:>8} {secs:>8} {row.get('peak_rss_increase_mib', '-'):>9} "
                   f"{row.get('traced_peak_mib', '-'):>10}  {row['outcome']} {row.get('field') or ''}", flush=True)
     if args.json:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        # The commit of the code measured: the checkout that holds --src.
+        commit = subprocess.run(["git", "-C", str(args.src), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True).stdout.strip()
         report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": commit, "python": sys.version.split()[0],
                   "command": "tools/bench_body.py " + " ".join(argv if argv is not None else sys.argv[1:]), "rows": rows}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
