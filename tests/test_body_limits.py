@@ -341,3 +341,14 @@ def test_bodies_past_the_byte_budget_get_503_with_retry_after_until_the_budget_i
             assert again.status_code == 200, again.text
     finally:
         proc.stop()
+
+
+def test_body_settings_default_to_four_bodies_and_the_budget_must_hold_one_body():
+    from semif.serving.config import Settings, SettingsError
+
+    env = {"SEMIF_MODEL_PATH": str(embedded_model())}
+    settings = Settings.from_env(env)
+    assert (settings.body_budget_bytes, settings.max_json_values, settings.max_state_chars) == (4 << 20, 131072, 2 << 20)
+    assert Settings.from_env({**env, "SEMIF_MAX_BODY_BYTES": "4096"}).body_budget_bytes == 16384
+    with pytest.raises(SettingsError, match="SEMIF_BODY_BUDGET_BYTES"):
+        Settings.from_env({**env, "SEMIF_MAX_BODY_BYTES": "4096", "SEMIF_BODY_BUDGET_BYTES": "4095"})
