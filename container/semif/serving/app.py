@@ -18,8 +18,8 @@ from starlette.routing import Route
 
 from . import chat, jsonlines
 from .admission import Admission, Overloaded
-from .body import MAX_JSON_DEPTH, BodyBudget, BodyBudgetExceeded, parse_json, read_bytes, read_json  # noqa: F401 (re-exported)
 from .auth import BearerAuth
+from .body import MAX_JSON_DEPTH, BodyBudget, BodyBudgetExceeded, read_json  # noqa: F401 (MAX_JSON_DEPTH: re-exported)
 from .config import Settings
 from .contracts import semif as semif_contract
 from .contracts import openai_decisions, systemone
