@@ -309,6 +309,177 @@ def test_a_request_past_its_deadline_gets_a_json_504_and_the_next_is_served_prom
     print(f"504 after {late_s:.2f} s ({line['questions_done']} of 400 questions done; one question {per_question_s:.2f} s)")
 
 
+# ---- abandoned chats, queued clients and mini-batches ---------------------------------------------
+
+# Sampled at temperature 2 the embedded model rambles on without emitting its end token (this prompt and
+# seed run to the 1,000-token limit, about a minute on one thread of the shared 2-vCPU VM, 2026-12-02):
+# left alone, one such reply holds the model for a minute, so a test that finds the model free soon after its client left measures
+# cancellation, not a short reply.
+LONG_CHAT = {"messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse."}],
+             "max_tokens": 1000, "temperature": 2.0, "seed": 1}
+
+
+def _open_request(port: int, path: str, body: dict, content_type: str = "application/json") -> socket.socket:
+    """Send a whole request and keep the connection open (the client is waiting for its answer)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def _read_until(sock: socket.socket, marker: bytes) -> bytes:
+    received = b""
+    while marker not in received:
+        chunk = sock.recv(4096)
+        assert chunk, received
+        received += chunk
+    return received
+
+
+def _wait_for_lines(server, predicate, *, count: int = 1, timeout: float = 10.0) -> list[dict]:
+    """The request log lines matching ``predicate``, once there are ``count`` of them or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [line for line in _request_lines(server) if predicate(line)]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+def test_four_abandoned_chats_give_the_queue_and_the_model_back_to_the_next_decision(start_serve):
+    server = _serve(start_serve, SEMIF_MAX_QUEUE=3, SEMIF_QUEUE_TIMEOUT_S=300)
+    url = server.base_url + "/invocations"
+    chats = []
+    for _ in range(4):  # the first generates, the other three wait for the model
+        chats.append(_open_request(server.port, "/v1/chat/completions", LONG_CHAT))
+        time.sleep(0.3)
+    refused = httpx.post(url, json=_decision(0), timeout=30)
+    assert refused.status_code == 503, refused.text  # the queue of 3 is full: the premise of what follows
+    time.sleep(0.5)
+    # The three waiting chats are abandoned while the first still generates: their places are freed
+    # at once, not when each would have reached the model.
+    for sock in chats[1:]:
+        sock.close()
+    closed = time.monotonic()
+    queued = _wait_for_lines(server, lambda line: line.get("contract") == "chat", count=3)
+    queued_s = time.monotonic() - closed
+    assert [line["status"] for line in queued] == [499] * 3, queued
+    assert all(line["completion_tokens"] == 0 and "compute_ms" not in line for line in queued), queued
+    assert queued_s < 2, queued_s
+    with cf.ThreadPoolExecutor(max_workers=1) as pool:
+        sent = time.monotonic()
+        probe = pool.submit(httpx.post, url, json=_decision(1), timeout=120)
+        time.sleep(0.3)
+        assert not probe.done(), probe.result().text  # queued in a freed place, not refused
+        # Then the generating chat is abandoned too: it stops at its next token.
+        chats[0].close()
+        closed = time.monotonic()
+        answer = probe.result()
+    assert answer.status_code == 200, answer.text
+    # how long the decision still waited for the model once the chat's client had gone
+    waited_s = answer.json()["timing"]["queue_ms"] / 1000 - (closed - sent)
+    assert waited_s < 1.5, waited_s  # not the rest of the ~1,000 tokens
+    generating = _wait_for_lines(server, lambda line: line.get("contract") == "chat" and "compute_ms" in line)
+    assert generating and generating[0]["status"] == 499 and generating[0]["stopped"] == "client_gone", generating
+    assert 0 < generating[0]["completion_tokens"] < LONG_CHAT["max_tokens"]
+    print(f"4 chats abandoned: the 3 waiting ones left the queue {queued_s * 1000:.0f} ms after their clients went; "
+          f"the generating one stopped after {generating[0]['completion_tokens']} tokens and the next decision "
+          f"reached the model {max(waited_s, 0) * 1000:.0f} ms after its client went")
+
+
+def test_a_queued_client_that_leaves_frees_its_place_for_the_next_one(start_serve):
+    server = _serve(start_serve, SEMIF_MAX_QUEUE=1, SEMIF_QUEUE_TIMEOUT_S=300)
+    url = server.base_url + "/invocations"
+    holder = _open_request(server.port, "/v1/chat/completions", {**LONG_CHAT, "stream": True})
+    try:
+        _read_until(holder, b"data: ")  # the model is generating for the holder
+        queued = _open_request(server.port, "/invocations", _decision(1))
+        time.sleep(0.3)
+        assert httpx.post(url, json=_decision(2), timeout=30).status_code == 503  # the one place is taken
+        queued.close()
+        closed = time.monotonic()
+        left = _wait_for_lines(server, lambda line: line.get("contract") == "semif" and line.get("status") == 499)
+        left_s = time.monotonic() - closed
+        assert left and left[0]["questions_done"] == 0, left
+        assert left_s < 2, left_s  # while the holder still holds the model
+        with cf.ThreadPoolExecutor(max_workers=1) as pool:
+            third = pool.submit(httpx.post, url, json=_decision(3), timeout=120)
+            time.sleep(0.5)
+            assert not third.done(), third.result().text  # waiting in the freed place, not refused
+            holder.close()
+            answer = third.result()
+    finally:
+        holder.close()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["id"] == "d3"
+    print(f"the queued client's place was free {left_s * 1000:.0f} ms after it left")
+
+
+def test_a_mini_batch_whose_client_leaves_stops_scoring_its_records(start_serve):
+    server = _serve(start_serve)
+    records = [_decision(i, f"Ticket {i}: the customer was charged twice for order {1000 + i}.") for i in range(300)]
+    payload = b"".join(json.dumps(record).encode() + b"\n" for record in records)
+    sock = _open_request(server.port, "/invocations", payload, content_type="application/jsonlines")
+    time.sleep(2.0)  # a few records answered, most of the 300 still to score
+    sock.close()
+    closed = time.monotonic()
+    batch = _wait_for_lines(server, lambda line: line.get("contract") == "jsonlines")
+    stopped_s = time.monotonic() - closed
+    assert batch and batch[0]["status"] == 499, batch
+    assert 0 < batch[0]["answered"] < len(records), batch[0]
+    assert stopped_s < 3, stopped_s
+    assert httpx.post(server.base_url + "/invocations", json=_decision(0), timeout=60).status_code == 200
+    print(f"mini-batch left after {batch[0]['answered']} of {len(records)} records; "
+          f"logged {stopped_s * 1000:.0f} ms after the client left")
+
+
+def test_chat_stops_at_its_deadline_with_finish_reason_length_and_a_queued_decision_at_its_own(start_serve):
+    chat_deadline_s = 5.0
+    server = _serve(start_serve, SEMIF_CHAT_DEADLINE_S=chat_deadline_s, SEMIF_REQUEST_DEADLINE_S=1,
+                    SEMIF_QUEUE_TIMEOUT_S=300)
+    chat_url = server.base_url + "/v1/chat/completions"
+    started = time.monotonic()
+    whole = httpx.post(chat_url, json=LONG_CHAT, timeout=120)
+    took_s = time.monotonic() - started
+    assert whole.status_code == 200, whole.text
+    choice, usage = whole.json()["choices"][0], whole.json()["usage"]
+    assert choice["finish_reason"] == "length"
+    assert 0 < usage["completion_tokens"] < LONG_CHAT["max_tokens"] and choice["message"]["content"]
+    assert took_s < chat_deadline_s + 3, took_s
+
+    started = time.monotonic()
+    events = []
+    with httpx.stream("POST", chat_url, json={**LONG_CHAT, "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=120) as response:
+        assert response.status_code == 200
+        first = True
+        for line in response.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if first:  # the model is busy with this reply: a decision now waits behind it
+                first = False
+                decision_started = time.monotonic()
+                late = httpx.post(server.base_url + "/invocations", json=_decision(0), timeout=60)
+                decision_s = time.monotonic() - decision_started
+    streamed_s = time.monotonic() - started
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in events[:-1]]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == ["length"]
+    assert 0 < chunks[-1]["usage"]["completion_tokens"] < LONG_CHAT["max_tokens"]
+    assert streamed_s < chat_deadline_s + 3, streamed_s
+    # SEMIF_REQUEST_DEADLINE_S ended the decision's wait, not the chat's end ~4 s later
+    assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded", late.text
+    assert "waited for the model" in late.json()["error"]["message"]
+    assert decision_s < 3, decision_s
+    lines = _wait_for_lines(server, lambda line: line.get("contract") == "chat", count=2)
+    assert [line.get("stopped") for line in lines] == ["deadline", "deadline"], lines
+    print(f"chat cut at the {chat_deadline_s:g} s deadline after {took_s:.2f} s ({usage['completion_tokens']} tokens), "
+          f"streaming after {streamed_s:.2f} s; the queued decision got its 504 after {decision_s:.2f} s")
+
+
 # ---- faults -------------------------------------------------------------------------------------
 
 

@@ -143,6 +143,10 @@ def test_settings_default_to_a_deadline_under_sagemakers_60_s_a_token_budget_and
     assert (tuned.request_deadline_s, tuned.max_request_tokens, tuned.label_memo, tuned.n_ctx) == (20.0, 9000, False, 2048)
     with pytest.raises(SettingsError, match="SEMIF_REQUEST_DEADLINE_S"):
         Settings.from_env({"SEMIF_MODEL_PATH": str(model_path), "SEMIF_REQUEST_DEADLINE_S": "soon"})
+    assert 0 < settings.chat_deadline_s < 60
+    assert Settings.from_env({"SEMIF_MODEL_PATH": str(model_path), "SEMIF_CHAT_DEADLINE_S": "300"}).chat_deadline_s == 300.0
+    with pytest.raises(SettingsError, match="SEMIF_CHAT_DEADLINE_S"):
+        Settings.from_env({"SEMIF_MODEL_PATH": str(model_path), "SEMIF_CHAT_DEADLINE_S": "0"})
 
 
 def test_the_example_printed_by_make_run_warns_that_the_embedded_model_is_near_chance(model_path):

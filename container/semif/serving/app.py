@@ -4,8 +4,8 @@ Knows nothing of llama.cpp; talks to the engine through contracts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import threading
 import time
 import uuid
 from typing import Any, Callable, Optional
@@ -17,7 +17,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from . import chat, jsonlines
-from .admission import Admission, Overloaded
+from .admission import Abandoned, Admission, Cancellation, Overloaded
 from .auth import BearerAuth
 from .body import MAX_JSON_DEPTH, BodyBudget, BodyBudgetExceeded, read_json  # noqa: F401 (MAX_JSON_DEPTH: re-exported)
 from .config import Settings
@@ -37,13 +37,24 @@ BODY_TIMEOUT_S = 30.0
 DISCONNECT_POLL_S = 0.05  # how often a computing request checks that its client is still there
 
 
-async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
-    """Polls from the event loop; the model thread reads ``gone`` between questions."""
-    while not gone.is_set():
+async def _watch_disconnect(request: Request, cancel: Cancellation) -> None:
+    """Polls from the event loop; a waiting request leaves the queue when the client goes, and the
+    model thread reads ``cancel`` between questions and at every generated token."""
+    while not cancel.gone:
         if await request.is_disconnected():
-            gone.set()
+            cancel.leave()
             return
         await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+@contextlib.asynccontextmanager
+async def watching(request: Request, cancel: Cancellation):
+    """Watch for the client going away while the block runs (queue wait and computation)."""
+    watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
+    try:
+        yield cancel
+    finally:
+        watcher.cancel()
 
 
 class DecisionService:
@@ -73,12 +84,13 @@ class DecisionService:
 
             self.batcher = BatchCollector(self.admission, engine, n_seq=engine.n_seq)
 
-    async def run_plan(self, plan, cancel: Callable[[], bool]):
-        """Execute a finished plan under admission control: alone (default) or batched with other waiting requests."""
+    async def run_plan(self, plan, cancel: Cancellation):
+        """Execute a finished plan under admission control: alone (default) or batched with other waiting
+        requests. ``cancel`` ends the wait in the queue and stops the plan between two questions."""
         if self.batcher is not None:
             return await self.batcher.run(plan, cancel)
         engine = self.engine
-        return await self.admission.run(lambda: engine.execute(plan, cancel=cancel))
+        return await self.admission.run(lambda: engine.execute(plan, cancel=cancel), cancel)
 
     def prompt_options(self, job: Job) -> dict:
         """Layout and injection check for one request: what it asked, else the server's defaults
@@ -156,26 +168,28 @@ class DecisionService:
                 debias=job.debias or self.settings.debias,
             )
             fields.update(layout=plan.layout, plan_template_version=plan.template_version)
-            deadline = time.monotonic() + self.settings.request_deadline_s - (time.perf_counter() - started)
-            gone = threading.Event()
-
-            def cancel() -> bool:
-                return gone.is_set() or time.monotonic() > deadline
-
-            watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
+            cancel = Cancellation(time.monotonic() + self.settings.request_deadline_s - (time.perf_counter() - started))
             try:
-                result, admitted = await self.run_plan(plan, cancel)
+                async with watching(request, cancel):
+                    result, admitted = await self.run_plan(plan, cancel)
+            except Abandoned as stopped:
+                fields["questions_done"] = 0
+                if stopped.reason == "client_gone":
+                    raise ClientDisconnect() from None
+                raise RequestError(
+                    504, "deadline_exceeded",
+                    f"the request waited for the model until its deadline of {self.settings.request_deadline_s:g} s "
+                    "(SEMIF_REQUEST_DEADLINE_S) passed; retry later or on another instance", None,
+                ) from None
             except Cancelled as stopped:
                 fields["questions_done"] = stopped.done
-                if gone.is_set():
+                if cancel.gone:
                     raise ClientDisconnect() from None
                 raise RequestError(
                     504, "deadline_exceeded",
                     f"the request did not finish within {self.settings.request_deadline_s:g} s "
                     f"(SEMIF_REQUEST_DEADLINE_S; {stopped}); retry with fewer questions", None,
                 ) from None
-            finally:
-                watcher.cancel()
             for post in self.postprocessors:
                 post(job, result)
             total_ms = (time.perf_counter() - started) * 1000
@@ -248,13 +262,14 @@ class DecisionService:
             fields["image_digest"] = self.settings.image_digest
             log.info("request", extra=fields)
 
-    async def answer_record(self, body: Any, contract, *, request_id: str, max_request_tokens: Optional[int] = None,
-                            cancel: Optional[Callable[[], bool]] = None, deadline_s: Optional[float] = None,
+    async def answer_record(self, body: Any, contract, *, request_id: str, cancel: Cancellation,
+                            max_request_tokens: Optional[int] = None, deadline_s: Optional[float] = None,
                             ) -> tuple[int, dict, dict]:
         """One record of a JSON Lines mini-batch (semif/serving/jsonlines.py), on the same path as a JSON request:
         parse, plan off the model thread (fencing, tokens, length and budget checks), admission, execute with
         ``cancel`` checked between questions, render. Returns (status, the answer or the contract's error body,
-        log fields). Overloaded propagates: the mini-batch as a whole is refused so that Batch Transform retries it."""
+        log fields). Overloaded propagates: the mini-batch as a whole is refused so that Batch Transform retries it;
+        so does ClientDisconnect, when the mini-batch's client went away (nobody reads the answer)."""
         fields: dict[str, Any] = {}
         try:
             job = await asyncio.to_thread(contract.parse, body, self.limits)
@@ -274,8 +289,10 @@ class DecisionService:
                                    {"tokens": over.tokens, "budget": over.budget}) from None
             try:
                 result, admitted = await self.run_plan(plan, cancel)
-            except Cancelled as stopped:
-                fields["questions_done"] = stopped.done
+            except (Abandoned, Cancelled) as stopped:
+                fields["questions_done"] = getattr(stopped, "done", 0)
+                if cancel.gone:
+                    raise ClientDisconnect() from None
                 raise RequestError(
                     504, "deadline_exceeded",
                     f"the record did not finish within the mini-batch deadline of {deadline_s:g} s "
@@ -291,7 +308,7 @@ class DecisionService:
             return 200, job.render(result, run), fields
         except (RequestError, EngineError) as exc:
             error = jsonlines.as_request_error(exc)
-        except Overloaded:
+        except (Overloaded, ClientDisconnect):
             raise
         except Exception as exc:  # never a stack trace in the output; the log keeps it (without state)
             log.exception("unhandled error", extra={"request_id": request_id, "error_type": type(exc).__name__})

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 
-from .admission import Admission, Admitted, Overloaded
+from .admission import Abandoned, Admission, Admitted, Cancellation, Overloaded, wait_admitted
 from .plan import PromptPlan, QuestionPlan
 
 MAX_N_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ; llama_max_parallel_sequences() says it at run time
@@ -318,7 +318,7 @@ class BatchCollector:
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
 
-    async def run(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]] = None) -> tuple[Any, Admitted]:
+    async def run(self, plan: PromptPlan, cancel: Optional[Cancellation] = None) -> tuple[Any, Admitted]:
         adm = self.admission
         if adm.draining:
             adm.rejected += 1
@@ -333,15 +333,15 @@ class BatchCollector:
         adm._waiting += 1
         self._start(loop)
         try:
-            await asyncio.wait_for(entry.started.wait(), timeout=adm.queue_timeout_s)
-        except asyncio.TimeoutError:
+            # A request already taken into a batch cannot be handed back: it stays admitted, and the
+            # batch drops it at its next wave through its cancel hook.
+            await wait_admitted(entry.started.wait, cancel, queue_timeout_s=adm.queue_timeout_s,
+                                give_back=lambda: False)
+        except (Overloaded, Abandoned, asyncio.CancelledError) as stopped:
             if not entry.started.is_set():
                 self._forget(entry)
-                adm.rejected += 1
-                raise Overloaded("queue_timeout", f"waited {adm.queue_timeout_s:g} s for the model") from None
-        except asyncio.CancelledError:
-            if not entry.started.is_set():
-                self._forget(entry)
+                if isinstance(stopped, Overloaded):
+                    adm.rejected += 1
             raise
         # shield: a client that goes away does not stop the batch its request is part of
         outcome, admitted = await asyncio.shield(entry.future)

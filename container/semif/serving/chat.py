@@ -6,8 +6,10 @@ turn overwrites what the context holds, so the decision prefix cache is emptied 
 every generation (the next decision re-evaluates its state; its answer is unchanged).
 
 Streaming holds the model thread for the whole generation: the worker generates and pushes each
-chunk through an asyncio queue that the SSE response drains. If the client goes away the worker
-stops at the next token and frees the model. See docs/explanation/reliability.md.
+chunk through an asyncio queue that the SSE response drains. Streaming or not, generation stops at
+the next token when the client goes away (a waiting request leaves the queue at once) or when
+`SEMIF_CHAT_DEADLINE_S` passes; a reply cut by the deadline ends with `finish_reason: "length"`.
+See docs/explanation/reliability.md.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 import uuid
 from typing import Any, Callable, Literal, Optional, Union
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .contracts.base import RequestError, first_validation_error
@@ -123,9 +125,41 @@ def error_body(error: RequestError) -> dict:
 
 # ---- generation (model thread) -----------------------------------------------------------------
 
+DEADLINE_FINISH_REASON = "length"  # a reply cut short by SEMIF_CHAT_DEADLINE_S, as by max_tokens
 
-class _Cancelled(Exception):
-    pass
+
+class _Stopped(Exception):
+    """Generation stopped on a model without an end-of-generation token to force."""
+
+
+class Stopper:
+    """A llama-cpp-python logits processor, called once per token to sample: counts the tokens and,
+    once ``cancel`` says stop (client gone, deadline passed), leaves only the model's end-of-generation
+    token to sample. llama-cpp-python then ends the completion its usual way, with the text so far and
+    its own usage counts, and without one more forward pass. (``create_chat_completion`` takes a
+    ``stopping_criteria`` too, but the chat-template handler drops it.) ``reason`` says why it stopped."""
+
+    def __init__(self, cancel: Optional[Callable[[], bool]], eos_token: int):
+        self.cancel = cancel
+        self.eos_token = eos_token
+        self.prompt_tokens = 0
+        self.sampled = 0  # tokens sampled so far, a forced end token included
+        self.stopped_at: Optional[int] = None  # tokens generated before the stop
+        self.reason: Optional[str] = None  # "client_gone" | "deadline"
+
+    def __call__(self, input_ids, scores):
+        if self.sampled == 0:  # at the first call the context holds exactly the prompt
+            self.prompt_tokens = len(input_ids)
+        self.sampled += 1
+        if self.reason is None and self.cancel is not None and self.cancel():
+            self.reason = "client_gone" if getattr(self.cancel, "gone", False) else "deadline"
+            self.stopped_at = self.sampled - 1
+        if self.reason is not None:
+            if self.eos_token < 0:
+                raise _Stopped()
+            scores[:] = -np.inf
+            scores[self.eos_token] = 0.0
+        return scores
 
 
 def _llama_kwargs(request: ChatRequest) -> dict:
@@ -189,46 +223,52 @@ def _map_llama_error(exc: ValueError) -> RequestError:
     return RequestError(400, "invalid_request", message, None)
 
 
-def generate(engine, request: ChatRequest) -> dict:
-    """A whole completion (non-streaming). Runs on the model thread."""
-    with _Context(engine) as llm:
-        try:
-            return llm.create_chat_completion(stream=False, **_llama_kwargs(request))
-        except ValueError as exc:
-            raise _map_llama_error(exc) from None
-
-
-def generate_stream(engine, request: ChatRequest, push: Callable[[Any], None], cancelled: threading.Event) -> dict:
-    """Push each chunk as it is generated; returns usage. Runs on the model thread."""
-    usage = {"prompt_tokens": 0, "completion_tokens": 0}
-
-    def count(input_ids, scores):
-        # called once per sampled token; at the first call the context holds exactly the prompt
-        if usage["completion_tokens"] == 0:
-            usage["prompt_tokens"] = len(input_ids)
-        usage["completion_tokens"] += 1
-        if cancelled.is_set():
-            raise _Cancelled()
-        return scores
-
+def generate(engine, request: ChatRequest, stopper: Stopper) -> dict:
+    """A whole completion (non-streaming), stopped early by ``stopper``. Runs on the model thread."""
     from llama_cpp import LogitsProcessorList
 
     with _Context(engine) as llm:
         try:
-            chunks = llm.create_chat_completion(stream=True, logits_processor=LogitsProcessorList([count]), **_llama_kwargs(request))
+            completion = llm.create_chat_completion(
+                stream=False, logits_processor=LogitsProcessorList([stopper]), **_llama_kwargs(request))
+        except _Stopped:
+            return {}
+        except ValueError as exc:
+            raise _map_llama_error(exc) from None
+    if stopper.reason == "deadline":
+        completion["choices"][0]["finish_reason"] = DEADLINE_FINISH_REASON
+    return completion
+
+
+def generate_stream(engine, request: ChatRequest, push: Callable[[Any], None], stopper: Stopper) -> dict:
+    """Push each chunk as it is generated; returns usage. Runs on the model thread."""
+    from llama_cpp import LogitsProcessorList
+
+    finish = None
+    with _Context(engine) as llm:
+        try:
+            chunks = llm.create_chat_completion(
+                stream=True, logits_processor=LogitsProcessorList([stopper]), **_llama_kwargs(request))
             for chunk in chunks:
-                if cancelled.is_set():
-                    break
+                if stopper.reason == "client_gone":
+                    break  # nobody reads the rest
+                if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
+                    finish = chunk["choices"][0]["finish_reason"]
+                    if stopper.reason == "deadline":
+                        chunk["choices"][0]["finish_reason"] = DEADLINE_FINISH_REASON
                 push(chunk)
-                if chunk["choices"] and chunk["choices"][0].get("finish_reason") == "stop":
-                    # the end-of-generation token was sampled but is not part of the completion
-                    usage["completion_tokens"] = max(usage["completion_tokens"] - 1, 0)
-        except _Cancelled:
+        except _Stopped:
             pass
         except ValueError as exc:
             raise _map_llama_error(exc) from None
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return usage
+    if stopper.stopped_at is not None:
+        generated = stopper.stopped_at
+    elif finish == "stop":  # the end-of-generation token was sampled but is not part of the completion
+        generated = max(stopper.sampled - 1, 0)
+    else:
+        generated = stopper.sampled
+    return {"prompt_tokens": stopper.prompt_tokens, "completion_tokens": generated,
+            "total_tokens": stopper.prompt_tokens + generated}
 
 
 # ---- HTTP ---------------------------------------------------------------------------------------
@@ -257,7 +297,8 @@ async def handle(service, request, body: Any = None) -> Any:
     from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, Response, StreamingResponse
 
-    from .admission import Overloaded
+    from .admission import Abandoned, Cancellation, Overloaded
+    from .app import watching
 
     started = time.perf_counter()
     request_id = request.headers.get("x-request-id") or request.headers.get("x-amzn-requestid") or uuid.uuid4().hex
@@ -293,45 +334,62 @@ async def handle(service, request, body: Any = None) -> Any:
             payload.update(id=completion_id, created=created, model=model_name, system_fingerprint=fingerprint)
             return payload
 
+        # Counted from arrival, queue wait included, like SEMIF_REQUEST_DEADLINE_S for decisions.
+        cancel = Cancellation(time.monotonic() + service.settings.chat_deadline_s - (time.perf_counter() - started))
+        stopper = Stopper(cancel, engine.llm.token_eos())
+        fields["deadline_s"] = service.settings.chat_deadline_s
         if not chat.stream:
-            completion, admitted = await service.admission.run(lambda: generate(engine, chat))
-            restamp(completion)
+            async with watching(request, cancel):
+                completion, admitted = await service.admission.run(lambda: generate(engine, chat, stopper), cancel)
             usage = completion.get("usage") or {}
-            finish(
-                200, queue_ms=round(admitted.queue_ms, 3), compute_ms=round(admitted.compute_ms, 3),
-                tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
-                finish_reason=completion["choices"][0].get("finish_reason"),
-            )
+            run_fields = dict(queue_ms=round(admitted.queue_ms, 3), compute_ms=round(admitted.compute_ms, 3),
+                              tokens=usage.get("prompt_tokens", stopper.prompt_tokens),
+                              completion_tokens=usage.get("completion_tokens", stopper.stopped_at))
+            if cancel.gone:
+                finish(499, error_code="client_disconnected", stopped="client_gone", **run_fields)
+                return Response(status_code=499)
+            if not completion:  # stopped at the deadline on a model without an end token to force
+                raise RequestError(504, "deadline_exceeded", f"the reply did not finish within "
+                                   f"{service.settings.chat_deadline_s:g} s (SEMIF_CHAT_DEADLINE_S)", None)
+            restamp(completion)
+            finish(200, finish_reason=completion["choices"][0].get("finish_reason"), stopped=stopper.reason,
+                   **run_fields)
             return JSONResponse(completion, headers=headers)
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
 
         def push(item: Any) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def work() -> dict:
             try:
-                return generate_stream(engine, chat, push, cancelled)
+                return generate_stream(engine, chat, push, stopper)
             finally:
                 push(_END)
 
-        run = asyncio.ensure_future(service.admission.run(work))
-        run.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved below or logged there
         # The status line waits for the first chunk, so that refusals (503) and errors found before
-        # any token (a prompt longer than the context) still get their own status code.
-        first = asyncio.ensure_future(queue.get())
-        try:
-            await asyncio.wait({run, first}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        if not first.done():
-            first.cancel()
-            await run  # not admitted: raises Overloaded before any byte was sent
-        if first.result() is _END:
-            await run  # failed before the first token: raises the error
+        # any token (a prompt longer than the context) still get their own status code. Until then
+        # the client is watched here (a waiting request leaves the queue when it goes); once the
+        # response streams, Starlette notices the disconnect and the events generator below stops.
+        async with watching(request, cancel):
+            run = asyncio.ensure_future(service.admission.run(work, cancel))
+            run.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved below or logged there
+            first = asyncio.ensure_future(queue.get())
+            try:
+                await asyncio.wait({run, first}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                cancel.leave()
+                raise
+            if not first.done():
+                first.cancel()
+                await run  # not admitted: raises Overloaded or Abandoned before any byte was sent
+            if first.result() is _END:
+                await run  # failed before the first token: raises the error
+            if cancel.gone:  # left between the first token and here: nobody to stream to
+                await asyncio.wait([run])
+                finish(499, error_code="client_disconnected", stopped="client_gone", **_run_fields(run))
+                return Response(status_code=499)
         streaming = True
 
         async def events():
@@ -360,9 +418,9 @@ async def handle(service, request, body: Any = None) -> Any:
                 status, extra = 499, {"error_code": "client_disconnected"}
                 raise
             finally:
-                cancelled.set()  # a client that went away stops generation at the next token
+                cancel.leave()  # a client that went away stops generation at the next token
                 # The log line waits for the model thread, so it tells how long the model was held.
-                run.add_done_callback(lambda task: finish(status, **extra, **_run_fields(task)))
+                run.add_done_callback(lambda task: finish(status, **extra, stopped=stopper.reason, **_run_fields(task)))
 
         return StreamingResponse(
             events(), media_type="text/event-stream",
@@ -376,6 +434,13 @@ async def handle(service, request, body: Any = None) -> Any:
         retry = {"retry-after": str(service.settings.retry_after_s)}
         fields.update(reason=error.reason, waiting=service.admission.waiting)
         return error_response(RequestError(503, "overloaded", str(error), None), retry)
+    except Abandoned as error:
+        if error.reason == "client_gone":
+            finish(499, error_code="client_disconnected", stopped="client_gone", completion_tokens=0)
+            return Response(status_code=499)
+        return error_response(RequestError(
+            504, "deadline_exceeded", f"the request waited for the model until its deadline of "
+            f"{service.settings.chat_deadline_s:g} s (SEMIF_CHAT_DEADLINE_S) passed; retry later", None))
     except ClientDisconnect:
         finish(499, error_code="client_disconnected")
         return Response(status_code=499)

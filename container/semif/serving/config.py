@@ -107,6 +107,7 @@ class Settings:
     # criteria, input_json parts); past it, 413 json_text_too_large naming the field.
     max_state_chars: int = 2 << 20
     request_deadline_s: float = 50.0  # under SageMaker's 60 s InvokeEndpoint limit
+    chat_deadline_s: float = 50.0  # a chat completion, streaming or not, stops generating after this long
     max_request_tokens: int = 65536
     api_key: Optional[str] = None
     log_hash_key: Optional[str] = None
@@ -198,6 +199,7 @@ class Settings:
             max_json_values=_int(env, "SEMIF_MAX_JSON_VALUES", 131072, minimum=16),
             max_state_chars=_int(env, "SEMIF_MAX_STATE_CHARS", 2 << 20, minimum=1024),
             request_deadline_s=_float(env, "SEMIF_REQUEST_DEADLINE_S", 50.0, minimum=0.001),
+            chat_deadline_s=_float(env, "SEMIF_CHAT_DEADLINE_S", 50.0, minimum=0.001),
             max_request_tokens=_int(env, "SEMIF_MAX_REQUEST_TOKENS", 65536, minimum=64),
             api_key=env.get("SEMIF_API_KEY") or None,
             log_hash_key=env.get("SEMIF_LOG_HASH_KEY") or None,

@@ -9,7 +9,9 @@ consecutive lines that share a state reuse its prefix exactly as the questions o
 
 A mini-batch has a deadline (`SEMIF_BATCH_DEADLINE_S`): lines not started by then are answered with a
 `deadline_exceeded` error object each, never dropped. Only a refusal to compute at all (queue full,
-shutting down) fails the whole mini-batch with 503, so that Batch Transform retries it.
+shutting down) fails the whole mini-batch with 503, so that Batch Transform retries it. A client that
+goes away stops the mini-batch before its next question: nobody would read the rest (logged as 499 with
+the lines answered).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from . import chat
-from .admission import Overloaded
+from .admission import Cancellation, Overloaded
 from .body import DEFAULT_MAX_JSON_VALUES, parse_json, read_bytes
 from .contracts import semif as semif_contract
 from .contracts.base import RequestError
@@ -154,11 +156,53 @@ def split_lines(raw: bytes) -> list[bytes]:
     return [line[:-1] if line.endswith(b"\r") else line for line in lines]
 
 
+async def _answer_lines(service, lines: list[bytes], override: Optional[str], cancel: Cancellation, *,
+                        request_id: str, out: list, errors: Counter, totals: Counter) -> None:
+    """Answer the lines in order into ``out``. Raises ClientDisconnect as soon as the client is gone."""
+    settings = service.settings
+    records = Records(lines, settings.max_json_values)
+    for index in range(len(lines)):
+        if cancel.gone:
+            raise ClientDisconnect()
+        number = index + 1
+        body, contract = None, semif_contract
+        try:
+            body = await records.get(index)
+            found = service.contract_for(body, override)
+            if found is None:
+                detail = ("chat completions are not answered in a JSON Lines batch; send decisions"
+                          if chat.matches(body) else
+                          "cannot tell the contract from the record: send 'decision'/'decisions' (SemIf), "
+                          "'questions' with 'state' (System One) or with 'input' (OpenAI Decisions)")
+                raise RequestError(422, "unknown_body_shape", f"line {number}: {detail}", "<line>")
+            contract = found
+            if cancel.expired():
+                raise RequestError(504, "deadline_exceeded", f"line {number} was not reached within the mini-batch "
+                                   f"deadline of {settings.batch_deadline_s:g} s (SEMIF_BATCH_DEADLINE_S); "
+                                   "resubmit it", "<line>")
+            status_of_line, answer, record_fields = await service.answer_record(
+                body, contract, request_id=f"{request_id}:{number}",
+                max_request_tokens=settings.batch_max_request_tokens or None,
+                cancel=cancel, deadline_s=settings.batch_deadline_s)
+            if status_of_line != 200:
+                errors[record_fields.get("error_code", "error")] += 1
+                answer = dict(answer)
+                rid = record_id(body)
+                if rid is not None:
+                    answer.setdefault("id", rid)
+            for key in ("tokens", "cached_tokens", "evaluated_tokens"):
+                totals[key] += record_fields.get(key) or 0
+            out.append(answer)
+        except RequestError as error:
+            errors[error.code] += 1
+            out.append(_error_line(contract, error, body))
+
+
 async def handle(service, request: Request) -> Response:
     """Answer one mini-batch: one line out per line in, in order."""
     settings = service.settings
     started = time.perf_counter()
-    deadline = started + settings.batch_deadline_s
+    cancel = Cancellation(time.monotonic() + settings.batch_deadline_s, clock=time.monotonic)
     request_id = request.headers.get("x-request-id") or request.headers.get("x-amzn-requestid") or uuid.uuid4().hex
     headers = {"x-request-id": request_id}
     fields: dict[str, Any] = {"request_id": request_id, "route": request.url.path, "contract": "jsonlines",
@@ -169,7 +213,7 @@ async def handle(service, request: Request) -> Response:
     status = 200
     try:
         limit = max_payload_mb(settings) * MIB
-        from .app import SAGEMAKER_ATTRIBUTES, _custom_attribute  # as for a JSON request
+        from .app import SAGEMAKER_ATTRIBUTES, _custom_attribute, watching  # as for a JSON request
 
         # The mini-batch counts against the body budget while it is read, as a JSON body does.
         with service.body_budget.reservation() as reservation:
@@ -179,41 +223,11 @@ async def handle(service, request: Request) -> Response:
         override = _custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
         lines = split_lines(raw)
         del raw
-        records = Records(lines, settings.max_json_values)
-        for index in range(len(lines)):
-            number = index + 1
-            body, contract = None, semif_contract
-            try:
-                body = await records.get(index)
-                found = service.contract_for(body, override)
-                if found is None:
-                    detail = ("chat completions are not answered in a JSON Lines batch; send decisions"
-                              if chat.matches(body) else
-                              "cannot tell the contract from the record: send 'decision'/'decisions' (SemIf), "
-                              "'questions' with 'state' (System One) or with 'input' (OpenAI Decisions)")
-                    raise RequestError(422, "unknown_body_shape", f"line {number}: {detail}", "<line>")
-                contract = found
-                if time.perf_counter() > deadline:
-                    raise RequestError(504, "deadline_exceeded", f"line {number} was not reached within the mini-batch "
-                                       f"deadline of {settings.batch_deadline_s:g} s (SEMIF_BATCH_DEADLINE_S); "
-                                       "resubmit it", "<line>")
-                status_of_line, answer, record_fields = await service.answer_record(
-                    body, contract, request_id=f"{request_id}:{number}",
-                    max_request_tokens=settings.batch_max_request_tokens or None,
-                    cancel=lambda: time.perf_counter() > deadline, deadline_s=settings.batch_deadline_s)
-                if status_of_line != 200:
-                    errors[record_fields.get("error_code", "error")] += 1
-                    answer = dict(answer)
-                    rid = record_id(body)
-                    if rid is not None:
-                        answer.setdefault("id", rid)
-                for key in ("tokens", "cached_tokens", "evaluated_tokens"):
-                    totals[key] += record_fields.get(key) or 0
-                out.append(answer)
-            except RequestError as error:
-                errors[error.code] += 1
-                out.append(_error_line(contract, error, body))
-        fields.update(records=len(lines), answered=len(lines) - sum(errors.values()), errors=dict(errors),
+        fields["records"] = len(lines)
+        async with watching(request, cancel):
+            await _answer_lines(service, lines, override, cancel, request_id=request_id, out=out, errors=errors,
+                                totals=totals)
+        fields.update(answered=len(lines) - sum(errors.values()), errors=dict(errors),
                       deadline_exceeded=errors.get("deadline_exceeded", 0), **totals)
     except Overloaded as error:
         # Nothing can be computed now: a 503 makes Batch Transform retry the whole mini-batch.
@@ -235,7 +249,8 @@ async def handle(service, request: Request) -> Response:
         return JSONResponse(semif_contract.error_body(error), status_code=status, headers=headers)
     except ClientDisconnect:
         status = 499
-        fields.update(status=499, error_code="client_disconnected")
+        fields.update(status=499, error_code="client_disconnected", answered=len(out) - sum(errors.values()),
+                      errors=dict(errors), **totals)
         return Response(status_code=499)
     finally:
         fields.setdefault("status", status)
