@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import math
-import re
 import time
 import uuid
 from typing import Any, Callable, Optional
@@ -22,10 +19,11 @@ from starlette.routing import Route
 from . import chat, jsonlines
 from .admission import Abandoned, Admission, Cancellation, Overloaded
 from .auth import BearerAuth
+from .body import MAX_JSON_DEPTH, BodyBudget, BodyBudgetExceeded, read_json  # noqa: F401 (MAX_JSON_DEPTH: re-exported)
 from .config import Settings
 from .contracts import semif as semif_contract
 from .contracts import openai_decisions, systemone
-from .contracts.base import Job, Limits, RequestError, RunContext, excerpt, pydantic_field, resolve_layout
+from .contracts.base import Job, Limits, RequestError, RunContext, excerpt, resolve_layout
 from .engine import Cancelled, EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
 from .logs import state_digest_fields
 from .policy import DecisionPostprocessor, log_fields as policy_log_fields, min_label_mass, needs_injection_check
@@ -36,162 +34,7 @@ SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
 BODY_TIMEOUT_S = 30.0
 
 
-MAX_JSON_DEPTH = 100  # deeper bodies are refused: json.dumps(indent=…) of a state recurses per level
 DISCONNECT_POLL_S = 0.05  # how often a computing request checks that its client is still there
-
-
-class _JsonRefusal(ValueError):
-    """Raised while parsing: the JSON is well-formed but refused (status 400, code, field)."""
-
-    def __init__(self, code: str, message: str, field: str = "<body>"):
-        super().__init__(message)
-        self.code = code
-        self.field = field
-
-
-def _reject_constant(name: str):
-    raise _JsonRefusal("invalid_json", f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e999 parses as inf: no field of any contract means that
-        raise _JsonRefusal("number_out_of_range", f"number {excerpt(text)} is out of range")
-    return value
-
-
-def _unique_keys(pairs: list) -> dict:
-    """Duplicate keys are refused, not resolved last-wins: two clients (or a client and a proxy)
-    could otherwise read the same body differently."""
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise _JsonRefusal("duplicate_key", f"duplicate key {excerpt(key)!r} in a JSON object", excerpt(key))
-            seen.add(key)
-    return result
-
-
-def _json_path(path: list) -> str:
-    shown = path[:8]
-    text = pydantic_field(shown) if shown else "<body>"
-    return text + ("…" if len(path) > 8 else "")
-
-
-def _has_lone_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def _check_tree(value: Any, *, surrogates: bool) -> None:
-    """One iterative walk: nesting depth at most MAX_JSON_DEPTH, and (when the text had \\u escapes
-    in the surrogate range) no lone surrogate in any key or string, since no UTF-8 encoder, tokenizer
-    or log line downstream can carry one."""
-    stack: list[tuple[Any, list, int]] = [(value, [], 0)]
-    while stack:
-        node, path, depth = stack.pop()
-        if isinstance(node, str):
-            if surrogates and _has_lone_surrogate(node):
-                raise _JsonRefusal("invalid_unicode", "a string holds a lone UTF-16 surrogate (e.g. \\ud800)", _json_path(path))
-            continue
-        if not isinstance(node, (dict, list)):
-            continue
-        if depth >= MAX_JSON_DEPTH:
-            raise _JsonRefusal("too_deep", f"the JSON is nested more than {MAX_JSON_DEPTH} levels deep", _json_path(path))
-        if isinstance(node, dict):
-            for key, item in node.items():
-                if surrogates and _has_lone_surrogate(key):
-                    raise _JsonRefusal("invalid_unicode", "a key holds a lone UTF-16 surrogate (e.g. \\ud800)", _json_path(path))
-                if isinstance(item, (dict, list, str)):
-                    stack.append((item, path + [key], depth + 1))
-        else:
-            for index, item in enumerate(node):
-                if isinstance(item, (dict, list, str)):
-                    stack.append((item, path + [index], depth + 1))
-
-
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-_JSON_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{},:]')
-
-
-def _too_deep_at(text: str) -> Optional[list]:
-    """The path where ``text`` first nests deeper than MAX_JSON_DEPTH, or None. One linear scan over
-    strings and brackets, before json.loads: the parser would hit Python's recursion limit first
-    (~1,000 levels) and could only blame the whole body, not the field."""
-    frames: list[list] = []  # per open container: [is_object, key or index, expecting_key]
-    pending_key: Any = None
-    for match in _JSON_STRUCTURE.finditer(text):
-        token = match.group()
-        if token in "[{":
-            if len(frames) >= MAX_JSON_DEPTH:
-                return [frame[1] for frame in frames]
-            frames.append([token == "{", 0 if token == "[" else None, token == "{"])
-        elif token in "]}":
-            if frames:
-                frames.pop()
-        elif token == ",":
-            if frames:
-                if frames[-1][0]:
-                    frames[-1][2] = True
-                else:
-                    frames[-1][1] += 1
-        elif token == ":":
-            if frames and frames[-1][0]:
-                frames[-1][1], frames[-1][2] = pending_key, False
-        elif frames and frames[-1][0] and frames[-1][2]:  # a string in key position
-            try:
-                pending_key = json.loads(token)
-            except ValueError:
-                pending_key = token[1:-1]
-    return None
-
-
-def parse_json(raw: bytes) -> Any:
-    """Strict JSON: UTF-8, no NaN/Infinity, finite numbers, unique keys, bounded depth, no lone surrogates."""
-    if not raw.strip():
-        raise RequestError(400, "invalid_json", "the body is empty; send a JSON object", "<body>")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(400, "invalid_json", f"the body is not UTF-8 (byte {exc.start})", "<body>") from None
-    deep = _too_deep_at(text)
-    if deep is not None:
-        raise RequestError(400, "too_deep", f"the JSON is nested more than {MAX_JSON_DEPTH} levels deep", _json_path(deep))
-    try:
-        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
-        _check_tree(body, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
-        return body
-    except RecursionError:
-        raise RequestError(400, "invalid_json", "the JSON is nested too deeply", "<body>") from None
-    except _JsonRefusal as exc:
-        raise RequestError(400, exc.code, str(exc), exc.field) from None
-    except ValueError as exc:
-        raise RequestError(400, "invalid_json", f"malformed JSON: {excerpt(str(exc), 120)}", "<body>") from None
-
-
-async def read_bytes(request: Request, max_bytes: int, *, what: str = "body") -> bytes:
-    """Read at most ``max_bytes`` of body, whatever Content-Length claims (``what`` names it in the 413)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise RequestError(413, "body_too_large", f"{what} of {excerpt(declared)} bytes exceeds {max_bytes}", "<body>")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise RequestError(413, "body_too_large", f"{what} exceeds {max_bytes} bytes", "<body>")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """Read at most ``max_bytes`` of body and parse it strictly."""
-    raw = await read_bytes(request, max_bytes)
-    # Parsed off the event loop: a 1 MiB body takes tens of milliseconds, and /ping must not wait.
-    return await asyncio.to_thread(parse_json, raw)
 
 
 async def _watch_disconnect(request: Request, cancel: Cancellation) -> None:
@@ -221,7 +64,11 @@ class DecisionService:
         self.settings = settings
         self.engine = engine
         self.admission = Admission(max_queue=settings.max_queue, queue_timeout_s=settings.queue_timeout_s)
-        self.limits = Limits(max_options=settings.max_options, max_questions=settings.max_questions)
+        self.limits = Limits(max_options=settings.max_options, max_questions=settings.max_questions,
+                             max_state_chars=settings.max_state_chars)
+        # Bytes of bodies being read or parsed at once (SEMIF_BODY_BUDGET_BYTES): bounds the memory that
+        # requests take before admission, whatever the queue limit.
+        self.body_budget = BodyBudget(settings.body_budget_bytes)
         self.contracts = contracts if contracts is not None else [semif_contract, systemone, openai_decisions]
         self.postprocessors: list[Callable[[Job, Any], None]] = []
         # Calibration (SEMIF_CALIBRATION_PATH, configured by __main__) and abstention policy.
@@ -259,7 +106,9 @@ class DecisionService:
         before the handler runs, and the handler gets the same body (or the same error) again."""
         if "semif.body" not in request.scope:
             try:
-                body = await asyncio.wait_for(read_json(request, self.settings.max_body_bytes), self.body_timeout_s)
+                body = await asyncio.wait_for(
+                    read_json(request, self.settings.max_body_bytes, budget=self.body_budget,
+                              max_values=self.settings.max_json_values), self.body_timeout_s)
                 request.scope["semif.body"] = (body, None)
             except asyncio.TimeoutError:
                 error = RequestError(408, "body_timeout", f"the body did not arrive within {self.body_timeout_s:g} s", "<body>")
@@ -303,7 +152,8 @@ class DecisionService:
                         "<body>",
                     )
                 active = contract
-            job = contract.parse(body, self.limits)
+            # Off the event loop: rendering an object state as JSON text is linear but not instant.
+            job = await asyncio.to_thread(contract.parse, body, self.limits)
             _check_model_name(contract, body, self.settings)
             fields.update(state_digest_fields(job.state_text, self.settings.log_hash_key))
             fields["options_sha256"] = job.options_sha256
@@ -367,6 +217,9 @@ class DecisionService:
             return JSONResponse(payload, status_code=200, headers=headers)
         except RequestError as error:
             fields.update(status=error.status, error_code=error.code, error_field=error.field)
+            if isinstance(error, BodyBudgetExceeded):
+                headers["retry-after"] = str(self.settings.retry_after_s)
+                fields["body_budget_in_use"] = self.body_budget.in_use
             return JSONResponse(active.error_body(error), status_code=_error_status(active, error), headers=headers)
         except PromptTooLong as error:
             req_error = RequestError(413, error.code, str(error), error.field or "state", {"tokens": error.tokens, "n_ctx": error.n_ctx})
@@ -419,7 +272,7 @@ class DecisionService:
         so does ClientDisconnect, when the mini-batch's client went away (nobody reads the answer)."""
         fields: dict[str, Any] = {}
         try:
-            job = contract.parse(body, self.limits)
+            job = await asyncio.to_thread(contract.parse, body, self.limits)
             _check_model_name(contract, body, self.settings)
             engine = self.engine
             try:

@@ -427,6 +427,8 @@ async def handle(service, request, body: Any = None) -> Any:
             headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
         )
     except RequestError as error:
+        if error.status == 503:  # the body budget (semif/serving/body.py): retryable, like a full queue
+            return error_response(error, {"retry-after": str(service.settings.retry_after_s)})
         return error_response(error, {"connection": "close"} if error.status == 408 else None)
     except Overloaded as error:
         retry = {"retry-after": str(service.settings.retry_after_s)}

@@ -99,6 +99,13 @@ class Settings:
     max_options: int = 255
     max_questions: int = 400
     max_body_bytes: int = 1 << 20
+    # Bodies being read or parsed at once may hold this many bytes in all (None: 4 × max_body_bytes);
+    # past it, 503 with Retry-After before more is read (semif/serving/body.py).
+    body_budget_bytes: Optional[int] = None
+    max_json_values: int = 131072  # values (scalars and containers) in one JSON body or JSON Lines record
+    # Characters of JSON text that the objects and arrays of one request may render to (states, instructions,
+    # criteria, input_json parts); past it, 413 json_text_too_large naming the field.
+    max_state_chars: int = 2 << 20
     request_deadline_s: float = 50.0  # under SageMaker's 60 s InvokeEndpoint limit
     chat_deadline_s: float = 50.0  # a chat completion, streaming or not, stops generating after this long
     max_request_tokens: int = 65536
@@ -125,6 +132,10 @@ class Settings:
     # depends on the batch it was computed in. n_seq is read only when batching is on.
     batching: bool = False
     n_seq: int = 4
+
+    def __post_init__(self):
+        if self.body_budget_bytes is None:
+            object.__setattr__(self, "body_budget_bytes", 4 * self.max_body_bytes)
 
     @property
     def served_model_name(self) -> str:
@@ -156,6 +167,11 @@ class Settings:
         if max_options > 255:
             raise SettingsError(f"SEMIF_MAX_OPTIONS={max_options} must be <= 255")
         batching = _bool(env, "SEMIF_BATCHING", False)
+        max_body_bytes = _int(env, "SEMIF_MAX_BODY_BYTES", 1 << 20, minimum=1024)
+        body_budget_bytes = _int(env, "SEMIF_BODY_BUDGET_BYTES", 4 * max_body_bytes, minimum=1)
+        if body_budget_bytes < max_body_bytes:
+            raise SettingsError(f"SEMIF_BODY_BUDGET_BYTES={body_budget_bytes} must be >= SEMIF_MAX_BODY_BYTES "
+                                f"({max_body_bytes}), or no body of the largest allowed size could ever be read")
         n_seq = _int(env, "SEMIF_N_SEQ", 4, minimum=2) if batching else 4
         if n_seq > 256:
             raise SettingsError(f"SEMIF_N_SEQ={n_seq} must be <= 256 (llama.cpp's most parallel sequences)")
@@ -178,7 +194,10 @@ class Settings:
             retry_after_s=_int(env, "SEMIF_RETRY_AFTER_S", 1, minimum=0),
             max_options=max_options,
             max_questions=_int(env, "SEMIF_MAX_QUESTIONS", 400, minimum=1),
-            max_body_bytes=_int(env, "SEMIF_MAX_BODY_BYTES", 1 << 20, minimum=1024),
+            max_body_bytes=max_body_bytes,
+            body_budget_bytes=body_budget_bytes,
+            max_json_values=_int(env, "SEMIF_MAX_JSON_VALUES", 131072, minimum=16),
+            max_state_chars=_int(env, "SEMIF_MAX_STATE_CHARS", 2 << 20, minimum=1024),
             request_deadline_s=_float(env, "SEMIF_REQUEST_DEADLINE_S", 50.0, minimum=0.001),
             chat_deadline_s=_float(env, "SEMIF_CHAT_DEADLINE_S", 50.0, minimum=0.001),
             max_request_tokens=_int(env, "SEMIF_MAX_REQUEST_TOKENS", 65536, minimum=64),

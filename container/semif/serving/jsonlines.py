@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 
 from . import chat
 from .admission import Cancellation, Overloaded
+from .body import DEFAULT_MAX_JSON_VALUES, parse_json, read_bytes
 from .contracts import semif as semif_contract
 from .contracts.base import RequestError
 from .engine import EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
@@ -38,6 +39,7 @@ log = logging.getLogger("semif.http")
 CONTENT_TYPES = frozenset({"application/jsonlines", "application/x-ndjson"})
 MEDIA_TYPE = "application/jsonlines"
 MIB = 1 << 20
+PARSE_CHUNK_BYTES = 64 << 10  # records parsed per trip to the worker thread
 
 
 def is_json_lines(content_type: Optional[str]) -> bool:
@@ -74,17 +76,53 @@ def as_request_error(error: Exception) -> RequestError:
     return RequestError(500, "internal_error", "internal error; see the server log", None)
 
 
-def _parse_line(raw: bytes, number: int) -> Any:
-    """A record, parsed as strictly as a JSON body (unique keys, bounded depth, finite numbers, no lone
-    surrogates); the error says which line of the mini-batch."""
-    from .app import parse_json
-
+def _parse_line(raw: bytes, number: int, max_values: int = DEFAULT_MAX_JSON_VALUES) -> Any:
+    """A record, parsed as strictly as a JSON body (unique keys, bounded depth and value count, finite
+    numbers, no lone surrogates); the error says which line of the mini-batch."""
     if not raw.strip():
         raise RequestError(400, "invalid_json", f"line {number} is empty; send one JSON object per line", "<line>")
     try:
-        return parse_json(raw)
+        return parse_json(raw, max_values=max_values)
     except RequestError as error:
         raise RequestError(error.status, error.code, f"line {number}: {error}", error.field, error.details) from None
+
+
+def parse_chunk(lines: list[bytes], start: int, max_values: int = DEFAULT_MAX_JSON_VALUES,
+                chunk_bytes: int = PARSE_CHUNK_BYTES) -> list[tuple[Any, Optional[RequestError]]]:
+    """(record, error) for the lines from ``start`` on, up to ``chunk_bytes`` of them (at least one line)."""
+    out: list[tuple[Any, Optional[RequestError]]] = []
+    size = 0
+    for index in range(start, len(lines)):
+        if out and size + len(lines[index]) > chunk_bytes:
+            break
+        size += len(lines[index])
+        try:
+            out.append((_parse_line(lines[index], index + 1, max_values), None))
+        except RequestError as error:
+            out.append((None, error))
+    return out
+
+
+class Records:
+    """The records of a mini-batch, parsed in a worker thread a bounded chunk at a time, just ahead of
+    the record being answered: the event loop never parses, and parsed records never pile up."""
+
+    def __init__(self, lines: list[bytes], max_values: int = DEFAULT_MAX_JSON_VALUES):
+        self.lines = lines
+        self.max_values = max_values
+        self._start = 0
+        self._parsed: list[tuple[Any, Optional[RequestError]]] = []
+
+    async def get(self, index: int) -> Any:
+        """Record ``index`` (records are asked for in order); its RequestError if it is refused."""
+        if not self._start <= index < self._start + len(self._parsed):
+            self._start = index
+            self._parsed = await asyncio.to_thread(parse_chunk, self.lines, index, self.max_values)
+        body, error = self._parsed[index - self._start]
+        self._parsed[index - self._start] = (None, None)  # the caller holds it now
+        if error is not None:
+            raise error
+        return body
 
 
 def record_id(body: Any) -> Optional[str]:
@@ -122,13 +160,14 @@ async def _answer_lines(service, lines: list[bytes], override: Optional[str], ca
                         request_id: str, out: list, errors: Counter, totals: Counter) -> None:
     """Answer the lines in order into ``out``. Raises ClientDisconnect as soon as the client is gone."""
     settings = service.settings
-    for index, line in enumerate(lines):
+    records = Records(lines, settings.max_json_values)
+    for index in range(len(lines)):
         if cancel.gone:
             raise ClientDisconnect()
         number = index + 1
         body, contract = None, semif_contract
         try:
-            body = _parse_line(line, number)
+            body = await records.get(index)
             found = service.contract_for(body, override)
             if found is None:
                 detail = ("chat completions are not answered in a JSON Lines batch; send decisions"
@@ -174,12 +213,16 @@ async def handle(service, request: Request) -> Response:
     status = 200
     try:
         limit = max_payload_mb(settings) * MIB
-        from .app import SAGEMAKER_ATTRIBUTES, _custom_attribute, read_bytes, watching  # as for a JSON request
+        from .app import SAGEMAKER_ATTRIBUTES, _custom_attribute, watching  # as for a JSON request
 
-        raw = await asyncio.wait_for(read_bytes(request, limit, what="mini-batch"), service.body_timeout_s)
+        # The mini-batch counts against the body budget while it is read, as a JSON body does.
+        with service.body_budget.reservation() as reservation:
+            raw = await asyncio.wait_for(read_bytes(request, limit, what="mini-batch", reservation=reservation),
+                                         service.body_timeout_s)
 
         override = _custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
         lines = split_lines(raw)
+        del raw
         fields["records"] = len(lines)
         async with watching(request, cancel):
             await _answer_lines(service, lines, override, cancel, request_id=request_id, out=out, errors=errors,
@@ -198,9 +241,11 @@ async def handle(service, request: Request) -> Response:
         fields.update(status=408, error_code="body_timeout")
         error = RequestError(408, "body_timeout", f"the body did not arrive within {service.body_timeout_s:g} s", "<body>")
         return JSONResponse(semif_contract.error_body(error), status_code=408, headers=headers)
-    except RequestError as error:  # the mini-batch as a whole (too large)
+    except RequestError as error:  # the mini-batch as a whole (too large, or the body budget is spent)
         status = error.status
         fields.update(status=status, error_code=error.code)
+        if status == 503:
+            headers["retry-after"] = str(settings.retry_after_s)
         return JSONResponse(semif_contract.error_body(error), status_code=status, headers=headers)
     except ClientDisconnect:
         status = 499

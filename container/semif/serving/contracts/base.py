@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -45,6 +46,31 @@ class RequestError(Exception):
 class Limits:
     max_options: int
     max_questions: int
+    max_state_chars: int = 2 << 20  # SEMIF_MAX_STATE_CHARS
+
+
+class JsonTextBudget:
+    """Characters left for the objects and arrays of one request rendered as JSON text (indent 2, keys
+    in the order sent). Indentation grows with depth, so a small deep body can render to many times its
+    size: rendering stops, with a 413 naming the field, as soon as the request's texts pass the limit."""
+
+    def __init__(self, max_chars: int):
+        self.max_chars = max_chars
+        self.left = max_chars
+
+    def render(self, value: Any, field: str) -> str:
+        parts: list[str] = []
+        used = 0
+        for chunk in json.JSONEncoder(ensure_ascii=False, indent=2).iterencode(value):
+            used += len(chunk)
+            if used > self.left:
+                raise RequestError(413, "json_text_too_large",
+                                   f"{field}: objects and arrays of this request render to more than {self.max_chars} "
+                                   "characters of JSON text (SEMIF_MAX_STATE_CHARS); send less, or send it as a string",
+                                   field)
+            parts.append(chunk)
+        self.left -= used
+        return "".join(parts)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from ..engine import Distribution, ScoreResult
 from ..prompt import Outcome, Question, options_sha256
-from .base import DEBIAS_VALUES, Job, Limits, RequestError, RunContext, excerpt
+from .base import DEBIAS_VALUES, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt
 
 NAME = "openai_decisions"
 # Answered besides the served model's name (app.py checks): the one model the SDK documents.
@@ -53,14 +53,14 @@ def _require(value: Any, kind: type | tuple, field: str, what: str) -> Any:
     return value
 
 
-def _text_parts(parts: Any, field: str, allowed: tuple[str, ...]) -> str:
+def _text_parts(parts: Any, field: str, allowed: tuple[str, ...], texts: JsonTextBudget) -> str:
     """A string, or an ordered list of parts rendered as text; images are refused (text-only model)."""
     if isinstance(parts, str):
         return parts
     _require(parts, list, field, "a string or an array of content parts")
     if not parts:
         raise _bad(field, "must not be empty")
-    texts = []
+    rendered = []
     for i, part in enumerate(parts):
         where = f"{field}[{i}]"
         _require(part, dict, where, "a content part object")
@@ -70,19 +70,21 @@ def _text_parts(parts: Any, field: str, allowed: tuple[str, ...]) -> str:
                 raise _bad(f"{where}.type", "images are not supported: this server runs a text model", "unsupported_content")
             raise _bad(f"{where}.type", f"must be one of {', '.join(allowed)} (got {_shown(kind)})")
         if kind in ("input_text", "output_text"):
-            texts.append(_require(part.get("text"), str, f"{where}.text", "a string"))
+            rendered.append(_require(part.get("text"), str, f"{where}.text", "a string"))
         elif kind == "refusal":
-            texts.append("[refusal] " + _require(part.get("refusal"), str, f"{where}.refusal", "a string"))
+            rendered.append("[refusal] " + _require(part.get("refusal"), str, f"{where}.refusal", "a string"))
         else:  # input_json
             data = part.get("data")
             if not isinstance(data, dict) and not (isinstance(data, list) and all(isinstance(d, dict) for d in data)):
                 raise _bad(f"{where}.data", "must be an object or an array of objects")
-            texts.append(json.dumps(data, ensure_ascii=False, indent=2))
-    return "\n".join(texts)
+            rendered.append(texts.render(data, f"{where}.data"))
+    return "\n".join(rendered)
 
 
-def render_input(value: Any) -> str:
-    """The input as the state text: a string as is; items as a transcript, one block per item."""
+def render_input(value: Any, texts: Optional[JsonTextBudget] = None) -> str:
+    """The input as the state text: a string as is; items as a transcript, one block per item
+    (input_json parts within the request's budget of rendered characters, SEMIF_MAX_STATE_CHARS)."""
+    texts = texts or JsonTextBudget(Limits.max_state_chars)
     if isinstance(value, str):
         return value
     _require(value, list, "input", "a string or an array of input items")
@@ -99,7 +101,7 @@ def render_input(value: Any) -> str:
                 raise _bad(f"{where}.role", f"must be one of {', '.join(_MESSAGE_ROLES)} (got {_shown(role)})")
             allowed = ("output_text", "refusal") if role == "assistant" else (
                 ("input_text", "input_json") if role == "user" else ("input_text",))
-            blocks.append(f"{role}: {_text_parts(item.get('content'), f'{where}.content', allowed)}")
+            blocks.append(f"{role}: {_text_parts(item.get('content'), f'{where}.content', allowed, texts)}")
         elif kind in ("function_call", "custom_tool_call"):
             call_id = _require(item.get("call_id"), str, f"{where}.call_id", "a string")
             name = _require(item.get("name"), str, f"{where}.name", "a string")
@@ -111,17 +113,17 @@ def render_input(value: Any) -> str:
             call_id = _require(item.get("call_id"), str, f"{where}.call_id", "a string")
             if (kind.removesuffix("_output"), call_id) not in calls:
                 raise _bad(f"{where}.call_id", f"no earlier {kind.removesuffix('_output')} has call_id {excerpt(call_id)!r}")
-            output = _text_parts(item.get("output"), f"{where}.output", ("input_text",))
+            output = _text_parts(item.get("output"), f"{where}.output", ("input_text",), texts)
             blocks.append(f"{kind} (call_id {call_id}): {output}")
         else:
             raise _bad(f"{where}.type", f"unknown input item type {_shown(kind)}")
     return "\n\n".join(blocks)
 
 
-def _instructions(q: dict, field: str) -> str:
+def _instructions(q: dict, field: str, texts: JsonTextBudget) -> str:
     if "instructions" not in q:
         raise _bad(f"{field}.instructions", "is required")
-    text = _text_parts(q["instructions"], f"{field}.instructions", ("input_text", "input_json"))
+    text = _text_parts(q["instructions"], f"{field}.instructions", ("input_text", "input_json"), texts)
     if not text.strip():
         raise _bad(f"{field}.instructions", "must not be blank")
     return text
@@ -132,12 +134,12 @@ def _optional_str(q: dict, key: str, field: str) -> Optional[str]:
     return None if value is None else _require(value, str, f"{field}.{key}", "a string")
 
 
-def _question(q: Any, field: str, limits: Limits) -> tuple[Question, dict]:
+def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tuple[Question, dict]:
     """(engine question, what render needs: type, name, choice values or level labels)."""
     _require(q, dict, field, "a question object")
     kind = q.get("type")
     name = _optional_str(q, "name", field)
-    text = _instructions(q, field) if kind in ("predicate", "choice", "score") else None
+    text = _instructions(q, field, texts) if kind in ("predicate", "choice", "score") else None
     if kind == "predicate":
         return Question(text, (Outcome("true"), Outcome("false")), kind="binary"), {"type": kind, "name": name}
     if kind == "choice":
@@ -215,12 +217,13 @@ def parse(body: Any, limits: Limits) -> Job:
     injection_check = body.get("injection_check")
     if injection_check is not None:
         _require(injection_check, bool, "injection_check", "a boolean")
-    state_text = render_input(body["input"])
+    texts = JsonTextBudget(limits.max_state_chars)
+    state_text = render_input(body["input"], texts)
     raw_questions = _require(body["questions"], list, "questions", "an array of questions")
     if not 1 <= len(raw_questions) <= limits.max_questions:
         code = "too_many_questions" if raw_questions else "invalid_request"
         raise _bad("questions", f"ask 1 to {limits.max_questions} questions (got {len(raw_questions)})", code)
-    parsed = [_question(q, f"questions[{i}]", limits) for i, q in enumerate(raw_questions)]
+    parsed = [_question(q, f"questions[{i}]", limits, texts) for i, q in enumerate(raw_questions)]
     questions = [p[0] for p in parsed]
     # Where a question's prompt can be too long: its outcomes (choices, levels) or, for a predicate, its instructions.
     part = {"predicate": "instructions", "choice": "choices", "score": "levels"}

@@ -10,14 +10,13 @@ spec (see docs/reference/api.md).
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine import Distribution, ScoreResult
 from ..prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
-from .base import MAX_ECHO, Job, Limits, RequestError, RunContext, excerpt
+from .base import MAX_ECHO, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt
 
 NAME = "systemone"
 MODEL_ALIAS = "jev-latest"  # the official SDKs' default model name
@@ -93,11 +92,12 @@ def matches(body: Any) -> bool:
     return "state" in body or isinstance(body["questions"], dict)
 
 
-def as_text(value: Content) -> str:
-    """Strings stay as they are; objects and arrays become JSON text, keys in the order sent."""
+def as_text(value: Content, texts: Optional[JsonTextBudget] = None, field: str = "state") -> str:
+    """Strings stay as they are; objects and arrays become JSON text (indent 2), keys in the order sent,
+    within the request's budget of rendered characters (SEMIF_MAX_STATE_CHARS)."""
     if isinstance(value, str):
         return value
-    return json.dumps(value, ensure_ascii=False, indent=2)
+    return (texts or JsonTextBudget(Limits.max_state_chars)).render(value, field)
 
 
 def _loc(loc: list) -> list:
@@ -124,13 +124,18 @@ def _from_validation_error(exc: ValidationError) -> RequestError:
     return RequestError(422, "invalid_request", f"{field}: {first['msg']}", field, details=details)
 
 
-def _noul_question(q: NoulQuestion, loc: list) -> Question:
+def _where(loc: list, *more) -> str:
+    return ".".join(str(p) for p in _loc([*loc, *more]))
+
+
+def _noul_question(q: NoulQuestion, loc: list, texts: JsonTextBudget) -> Question:
     criteria = q.criteria or NoulCriteria()
-    yes = None if criteria.true is None else as_text(criteria.true)
-    no = None if criteria.false is None else as_text(criteria.false)
+    yes = None if criteria.true is None else as_text(criteria.true, texts, _where(loc, "criteria", "true"))
+    no = None if criteria.false is None else as_text(criteria.false, texts, _where(loc, "criteria", "false"))
     if q.instructions is None and yes is None and no is None:
         raise _invalid(loc, "a noul needs instructions or a described outcome (criteria.true or criteria.false)", "value_error")
-    lines = [as_text(q.instructions) if q.instructions is not None else "Which description fits the state?"]
+    lines = [as_text(q.instructions, texts, _where(loc, "instructions")) if q.instructions is not None
+             else "Which description fits the state?"]
     if yes is not None:
         lines.append(f"Yes means: {yes}")
     if no is not None:
@@ -138,25 +143,29 @@ def _noul_question(q: NoulQuestion, loc: list) -> Question:
     return Question("\n".join(lines), (Outcome("true", yes), Outcome("false", no)), kind="binary")
 
 
-def _choice_question(q: ChoiceQuestion, loc: list, limits: Limits) -> Question:
+def _choice_question(q: ChoiceQuestion, loc: list, limits: Limits, texts: JsonTextBudget) -> Question:
     n = len(q.criteria)
     if n < 2 or n > limits.max_options:
         raise _invalid([*loc, "criteria"], f"a choice needs 2 to {limits.max_options} options (got {n})",
                        "too_short" if n < 2 else "too_long", "too_many_options" if n > limits.max_options else "invalid_request")
     if "" in q.criteria:
         raise _invalid([*loc, "criteria"], "option names must not be empty", "value_error")
-    text = as_text(q.instructions) if q.instructions is not None else "Which option fits the state best?"
-    outcomes = tuple(Outcome(name, None if d is None else as_text(d)) for name, d in q.criteria.items())
+    text = (as_text(q.instructions, texts, _where(loc, "instructions")) if q.instructions is not None
+            else "Which option fits the state best?")
+    outcomes = tuple(Outcome(name, None if d is None else as_text(d, texts, _where(loc, "criteria", name)))
+                     for name, d in q.criteria.items())
     return Question(text, outcomes, kind="choice")
 
 
-def _score_question(q: ScoreQuestion, loc: list) -> Question:
+def _score_question(q: ScoreQuestion, loc: list, texts: JsonTextBudget) -> Question:
     n = len(q.criteria)
     if n < 2 or n > MAX_SCORE_LEVELS:
         raise _invalid([*loc, "criteria"], f"a score needs 2 to {MAX_SCORE_LEVELS} levels (got {n})",
                        "too_short" if n < 2 else "too_long")
-    text = as_text(q.instructions) if q.instructions is not None else "Which level fits the state best?"
-    return Question(text, tuple(Outcome(as_text(level)) for level in q.criteria), kind="scale")
+    text = (as_text(q.instructions, texts, _where(loc, "instructions")) if q.instructions is not None
+            else "Which level fits the state best?")
+    levels = tuple(Outcome(as_text(level, texts, _where(loc, "criteria", i))) for i, level in enumerate(q.criteria))
+    return Question(text, levels, kind="scale")
 
 
 def choice_confidence(probabilities: list[float]) -> float:
@@ -197,19 +206,20 @@ def parse(body: Any, limits: Limits) -> Job:
         raise _invalid(["questions"], "question ids must not be empty", "value_error")
     questions: list[Question] = []
     fields: list[str] = []
+    texts = JsonTextBudget(limits.max_state_chars)
+    state_text = as_text(request.state, texts, "state")
     for qid, q in request.questions.items():
         loc = ["questions", qid]
         if isinstance(q, NoulQuestion):
-            questions.append(_noul_question(q, loc))
+            questions.append(_noul_question(q, loc, texts))
             fields.append(f"questions.{excerpt(qid)}")
         elif isinstance(q, ChoiceQuestion):
-            questions.append(_choice_question(q, loc, limits))
+            questions.append(_choice_question(q, loc, limits, texts))
             fields.append(f"questions.{excerpt(qid)}.criteria")
         else:
-            questions.append(_score_question(q, loc))
+            questions.append(_score_question(q, loc, texts))
             fields.append(f"questions.{excerpt(qid)}.criteria")
     hashes = [options_sha256([(o.key, o.description) for o in question.outcomes]) for question in questions]
-    state_text = as_text(request.state)
 
     def render(result: ScoreResult, run: RunContext) -> dict:
         answers = {}
