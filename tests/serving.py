@@ -34,6 +34,14 @@ def make_settings(model_path, **overrides):
     return Settings(**values)
 
 
+def cold(engine) -> None:
+    """Empty everything the engine could answer from: the context, the prefix snapshots, the label memo.
+    The next answer is then a cold evaluation."""
+    engine.invalidate()
+    engine.clear_prefix_snapshots()
+    engine._label_memo.clear()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
