@@ -258,23 +258,23 @@ def test_a_fused_routing_decision_is_one_segment_exact_when_cached_and_close_to_
 
 
 def test_the_injection_check_equals_p_yes_of_its_prompt_evaluated_from_scratch(engine, model_path):
-    import llama_cpp
+    """A fresh llama.cpp context with the engine's settings decodes the check's segments as the engine does."""
+    from semif.serving.engine import recompute_segments
+    from semif.tools.recompute import FreshContext, decode_record
 
     result = engine.score(TICKETS[1], [ROUTING], injection_check=True)
     plan = engine.plan(TICKETS[1], [ROUTING], injection_check=True)
-    tokens = [t for s in plan.injection_check.own_prefix_segments for t in s] + list(plan.injection_check.suffix_tokens)
-    fresh = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=1024, logits_all=False, verbose=False)
+    segments = [list(s) for s in plan.injection_check.own_prefix_segments] + [list(plan.injection_check.suffix_tokens)]
+    last = sum(len(s) for s in segments) - 1
+    fresh = FreshContext(model_path, engine.numerics)
     try:
-        fresh.eval(tokens)
-        # With logits_all=False, eval() leaves Llama.scores empty: read the last position's logits.
-        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(fresh._ctx.ctx, -1), shape=(fresh.n_vocab(),))
+        row = decode_record(fresh, {"segments": recompute_segments(segments), "logits_at": [last]})[last]
         # Each label scores all its spellings (log-sum-exp of their logits), as the engine does.
         yes, no = (float(np.logaddexp.reduce(row[list(v)].astype(np.float64))) for v in plan.injection_check.label_variants)
     finally:
         fresh.close()
     assert abs(yes - no) > 1e-3  # a real row, not an empty one (equal labels would give exactly 0.5)
-    # One batch instead of segments: other kernels, logits within 2e-3 (as for the questions themselves).
-    assert result.injection_suspected == pytest.approx(1.0 / (1.0 + np.exp(no - yes)), abs=1e-3)
+    assert result.injection_suspected == pytest.approx(1.0 / (1.0 + np.exp(no - yes)), abs=1e-5)
 
 
 def test_turn_markers_that_are_plain_text_for_the_template_are_found_and_escaped_inside_the_state(engine):

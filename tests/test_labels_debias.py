@@ -210,15 +210,17 @@ def test_after_a_plain_text_inst_marker_on_sentencepiece_the_spaced_label_is_sco
 
 
 def test_label_logits_and_label_mass_equal_an_independent_recomputation(engine, model_path):
-    import llama_cpp
+    """A fresh llama.cpp context decodes the answer's prompt text, tokenized on its own, in the segments the
+    record gives (semif.tools.recompute): the label logits and the label mass come back to 1e-4."""
+    from semif.tools.recompute import FreshContext, decode_record
 
     dist = engine.score(STATE, [ROUTE], return_prompt=True).distributions[0]
-    fresh = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=1024, logits_all=False, verbose=False)
+    record = dist.recompute
+    fresh = FreshContext(model_path, record["settings"])
     try:
-        tokens = fresh.tokenize(dist.prompt_text.encode("utf-8"), add_bos=True, special=True)
-        fresh.eval(tokens)
-        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(fresh._ctx.ctx, -1), shape=(fresh.n_vocab(),))
-        row = row.astype(np.float64)
+        tokens = fresh.llm.tokenize(dist.prompt_text.encode("utf-8"), add_bos=True, special=True)
+        assert tokens == [t for segment in record["segments"] for t in segment["tokens"]]  # the text as decoded
+        row = decode_record(fresh, record)[len(tokens) - 1].astype(np.float64)
     finally:
         fresh.close()
     probs = np.exp(row - row.max())
@@ -226,9 +228,9 @@ def test_label_logits_and_label_mass_equal_an_independent_recomputation(engine, 
     assert any(len(v) > 1 for v in dist.label_variant_ids), "SmolLM2 has `A` and ` A` as single tokens"
     expected_logits = [math.log(sum(math.exp(row[t]) for t in v)) for v in dist.label_variant_ids]
     expected_mass = sum(probs[t] for v in dist.label_variant_ids for t in v)
-    np.testing.assert_allclose(dist.option_logits, expected_logits, atol=2e-3)
+    np.testing.assert_allclose(dist.option_logits, expected_logits, rtol=0, atol=1e-4)
     assert 0.0 < dist.label_mass <= 1.0
-    assert math.isclose(dist.label_mass, expected_mass, rel_tol=1e-2, abs_tol=1e-4)
+    assert math.isclose(dist.label_mass, expected_mass, rel_tol=1e-4, abs_tol=1e-6)
 
 
 def test_label_mass_is_none_under_sequence_scoring(engine):

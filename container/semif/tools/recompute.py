@@ -98,13 +98,19 @@ class FreshContext:
         self.llm.close()
 
 
-def _order_logits(context: FreshContext, record: dict) -> list[float]:
-    """One order's option logits, from an empty context."""
+def decode_record(context: FreshContext, record: dict) -> dict[int, np.ndarray]:
+    """Empty the context, decode the record's segments; the logits rows at its ``logits_at`` positions."""
     context.clear()
     want = set(record["logits_at"])
     rows: dict[int, np.ndarray] = {}
     for segment in record["segments"]:
         rows.update(context.decode(segment["pos"], segment["tokens"], want))
+    return rows
+
+
+def _order_logits(context: FreshContext, record: dict) -> list[float]:
+    """One order's option logits, from an empty context."""
+    rows = decode_record(context, record)
     last = record["logits_at"][-1]
     if record["scoring"] == "label":
         row = rows[last]
