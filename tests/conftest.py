@@ -69,6 +69,19 @@ def snapshots_on(engine):
         engine.clear_prefix_snapshots()
 
 
+@pytest.fixture
+def snapshots_off(engine):
+    """Prefix snapshots switched off for one test: for tests that count what the context itself still holds
+    after another state displaced it (a snapshot of an earlier test's prefix would be restored instead)."""
+    engine.clear_prefix_snapshots()
+    engine.prefix_cache_bytes = 0
+    try:
+        yield engine
+    finally:
+        engine.prefix_cache_bytes = 256 << 20
+        engine.clear_prefix_snapshots()
+
+
 @pytest.fixture(scope="session")
 def app(engine, model_path):
     from semif.serving.app import create_app

@@ -34,7 +34,7 @@ def make_settings(model_path, **overrides):
     return Settings(**values)
 
 
-def cold(engine) -> None:
+def start_cold(engine) -> None:
     """Empty everything the engine could answer from: the context, the prefix snapshots, the label memo.
     The next answer is then a cold evaluation."""
     engine.invalidate()

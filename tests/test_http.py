@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from serving import cold
+from serving import start_cold
 
 SINGLE = {
     "decision": {
@@ -81,14 +81,14 @@ def test_options_hash_changes_with_descriptions(client):
 
 
 def test_shared_state_batch_equals_separate_requests(client, engine, memo_off):
-    cold(engine)
+    start_cold(engine)
     batch = client.post("/invocations", json=BATCH)
     assert batch.status_code == 200, batch.text
     results = batch.json()["results"]
     assert [r["id"] for r in results] == ["queue", "urgent", "tone"]
     assert all(r["prompt"]["evaluated_tokens"] > 0 for r in results)
     for decision, result in zip(BATCH["decisions"], results):
-        cold(engine)  # each single request from a cold context
+        start_cold(engine)  # each single request from a cold context
         alone = client.post("/invocations", json={"decision": {**decision, "state": BATCH["state"]}}).json()
         assert alone["prompt"]["evaluated_tokens"] == alone["prompt"]["tokens"]
         np.testing.assert_allclose(result["probabilities"], alone["probabilities"], atol=1e-6)
@@ -101,7 +101,7 @@ def test_shared_state_batch_equals_separate_requests(client, engine, memo_off):
 
 
 def test_repeat_request_reuses_the_cached_prefix(client, engine, memo_off):
-    cold(engine)
+    start_cold(engine)
     client.post("/invocations", json=SINGLE)
     prompt = client.post("/invocations", json=SINGLE).json()["prompt"]
     # memo off: the repeat reuses the state prefix from the context and evaluates its question again
@@ -117,7 +117,7 @@ def test_repeat_request_reuses_the_cached_prefix(client, engine, memo_off):
 def test_memo_answers_an_identical_request_without_evaluation_as_a_cold_evaluation_would(client, engine, memo_on):
     other_question = {"decision": {**SINGLE["decision"], "question": "Which team owns this?"}}
     other_state = {"decision": {**SINGLE["decision"], "state": "A parcel never arrived; the customer asks where it is."}}
-    cold(engine)
+    start_cold(engine)
     assert client.post("/invocations", json=other_question).status_code == 200
     first = client.post("/invocations", json=SINGLE).json()  # memoised from a warm context: its state was cached
     assert 0 < first["prompt"]["evaluated_tokens"] < first["prompt"]["cached_tokens"]
@@ -126,7 +126,7 @@ def test_memo_answers_an_identical_request_without_evaluation_as_a_cold_evaluati
         assert client.post("/invocations", json=body).status_code == 200
     again = client.post("/invocations", json=SINGLE).json()
     assert again["prompt"]["evaluated_tokens"] == 0 and again["prompt"]["cached_tokens"] == again["prompt"]["tokens"]
-    cold(engine)  # the reference: the same request evaluated from an empty context, nothing remembered
+    start_cold(engine)  # the reference: the same request evaluated from an empty context, nothing remembered
     reference = client.post("/invocations", json=SINGLE).json()
     assert reference["prompt"]["evaluated_tokens"] == reference["prompt"]["tokens"]
     np.testing.assert_allclose(again["option_logits"], reference["option_logits"], rtol=0, atol=1e-6)
