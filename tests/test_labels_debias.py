@@ -17,7 +17,7 @@ import pytest
 from semif.serving.engine import combine_orders, softmax
 from semif.serving.plan import _tokenize_after, build_plan
 from semif.serving.prompt import EMPTY_THINK, Labels, LabelSet, Outcome, PromptTemplate, Question
-from serving import embedded_model, gemma_model
+from serving import embedded_model, gemma_model, start_cold
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[1]
@@ -237,7 +237,7 @@ def test_label_mass_is_none_under_sequence_scoring(engine):
     assert engine.score(STATE, [ROUTE], scoring="sequence").distributions[0].label_mass is None
 
 
-def test_a_binary_question_scored_with_letter_labels_shows_the_letters_and_what_they_mean(engine):
+def test_a_binary_question_scored_with_letter_labels_shows_the_letters_and_what_they_mean(engine, memo_off):
     """Where Yes/No are not single tokens the fallback scores A/B: the prompt must say so."""
     letters = engine.labels.letters
     fallback = Labels(letters=letters, binary=LabelSet(letters.texts[:2], letters.token_ids[:2], letters.variants[:2]),
@@ -276,7 +276,7 @@ def test_an_r1_distill_template_with_a_thinking_switch_closes_the_block_itself()
     assert template.answer_cue.endswith("<｜Assistant｜><think>\n</think>")
 
 
-def test_a_template_without_reasoning_is_left_as_it_is(engine):
+def test_a_template_without_reasoning_is_left_as_it_is(engine, memo_off):
     assert engine.template.thinking is None and "<think>" not in engine.template.answer_cue
 
 
@@ -321,8 +321,8 @@ def test_the_reversed_binary_and_scale_questions_say_what_order_they_are_in(engi
     assert "Levels, from lowest to highest:" in plan.questions[1].text
 
 
-def test_debiasing_evaluates_the_state_once_and_one_more_question_segment(engine):
-    engine.invalidate()
+def test_debiasing_evaluates_the_state_once_and_one_more_question_segment(engine, memo_off):
+    start_cold(engine)
     plain = engine.plan(STATE, [ROUTE])
     plan = engine.plan(STATE, [ROUTE], debias="reverse")
     result = engine.execute(plan)
