@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from semif.serving.plan import PlanError, build_plan
+from semif.serving.prompt import (
+    DATA_RULE, INJECTION_CHECK_QUESTION, LabelSet, Labels, Outcome, PromptTemplate, Question, TEMPLATE_VERSION,
+    _fence_tag, render_state_block,
+)
 from serving import start_cold
 
 # These tests count what each evaluation reused and compare fresh evaluations with cached ones: the label
 # memo (which answers a repeated prompt without evaluating it) is off for them; its own tests: test_scoring.py.
 pytestmark = pytest.mark.usefixtures("memo_off")
-from semif.serving.prompt import (
-    DATA_RULE, INJECTION_CHECK_QUESTION, LabelSet, Labels, Outcome, PromptTemplate, Question, TEMPLATE_VERSION,
-    _fence_tag, render_state_block,
-)
 
 ROUTING = Question(
     "Which team should take this ticket?",
