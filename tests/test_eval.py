@@ -148,7 +148,7 @@ def test_a_short_eval_run_on_the_real_model_reports_what_the_engine_computes(eng
     question = Question(first["question"], tuple(Outcome(o["id"], o.get("description")) for o in first["options"]))
     start_cold(engine)
     recomputed = engine.score(first["state"], [question]).distributions[0]
-    assert recomputed.evaluated_tokens == recomputed.tokens  # computed from scratch (the suite's memo is off)
+    assert recomputed.evaluated_tokens == recomputed.tokens  # computed from scratch (memo off in this module)
     again = recomputed.option_logits
     assert again == pytest.approx(run["cases_detail"][0]["option_logits"], abs=1e-4)
     plots = write_plots(report, tmp_path)
