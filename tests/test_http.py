@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from serving import start_cold
+
 SINGLE = {
     "decision": {
         "id": "support-route",
@@ -54,11 +56,11 @@ def test_single_decision_returns_a_full_result(client, engine):
     assert body["model"]["sha256"] == engine.sha256
     assert body["model"]["scoring"] == "label"
     assert body["model"]["llama_cpp_python"]
-    assert body["model"]["flash_attn"] is engine.info["flash_attn"] is False  # the test engine (conftest)
+    assert body["model"]["flash_attn"] is engine.info["flash_attn"] is True  # the shipped default (conftest)
     assert "text" not in body["prompt"]
 
 
-def test_v1_semif_is_an_alias_of_invocations(client):
+def test_v1_semif_is_an_alias_of_invocations(client, memo_off):
     a = client.post("/invocations", json=SINGLE).json()
     b = client.post("/v1/semif", json=SINGLE).json()
     assert a["prompt"]["evaluated_tokens"] > 0 and b["prompt"]["evaluated_tokens"] > 0
@@ -78,15 +80,15 @@ def test_options_hash_changes_with_descriptions(client):
     assert a != b
 
 
-def test_shared_state_batch_equals_separate_requests(client, engine):
-    engine.invalidate()
+def test_shared_state_batch_equals_separate_requests(client, engine, memo_off):
+    start_cold(engine)
     batch = client.post("/invocations", json=BATCH)
     assert batch.status_code == 200, batch.text
     results = batch.json()["results"]
     assert [r["id"] for r in results] == ["queue", "urgent", "tone"]
     assert all(r["prompt"]["evaluated_tokens"] > 0 for r in results)
     for decision, result in zip(BATCH["decisions"], results):
-        engine.invalidate()  # each single request from a cold context
+        start_cold(engine)  # each single request from a cold context
         alone = client.post("/invocations", json={"decision": {**decision, "state": BATCH["state"]}}).json()
         assert alone["prompt"]["evaluated_tokens"] == alone["prompt"]["tokens"]
         np.testing.assert_allclose(result["probabilities"], alone["probabilities"], atol=1e-6)
@@ -98,8 +100,8 @@ def test_shared_state_batch_equals_separate_requests(client, engine):
     assert usage["cached_tokens"] == 0 and usage["evaluated_tokens"] == usage["input_tokens"]
 
 
-def test_repeat_request_reuses_the_cached_prefix(client, engine):
-    engine.invalidate()
+def test_repeat_request_reuses_the_cached_prefix(client, engine, memo_off):
+    start_cold(engine)
     client.post("/invocations", json=SINGLE)
     prompt = client.post("/invocations", json=SINGLE).json()["prompt"]
     # memo off: the repeat reuses the state prefix from the context and evaluates its question again
@@ -112,11 +114,26 @@ def test_repeat_request_reuses_the_cached_prefix(client, engine):
     assert 0 < prompt["evaluated_tokens"] < prompt["cached_tokens"]
 
 
-def test_memo_answers_an_identical_request_without_evaluation(client, memo_on):
-    first = client.post("/invocations", json=SINGLE).json()
+def test_memo_answers_an_identical_request_without_evaluation_as_a_cold_evaluation_would(client, engine, memo_on):
+    other_question = {"decision": {**SINGLE["decision"], "question": "Which team owns this?"}}
+    other_state = {"decision": {**SINGLE["decision"], "state": "A parcel never arrived; the customer asks where it is."}}
+    start_cold(engine)
+    assert client.post("/invocations", json=other_question).status_code == 200
+    first = client.post("/invocations", json=SINGLE).json()  # memoised from a warm context: its state was cached
+    assert 0 < first["prompt"]["evaluated_tokens"] < first["prompt"]["cached_tokens"]
+    # Other keys in between: another state, the first state's other question (the context moves on).
+    assert client.post("/invocations", json=other_state).status_code == 200
+    other_again = client.post("/invocations", json=other_question).json()
     again = client.post("/invocations", json=SINGLE).json()
     assert again["prompt"]["evaluated_tokens"] == 0 and again["prompt"]["cached_tokens"] == again["prompt"]["tokens"]
-    assert again["option_logits"] == first["option_logits"]
+    start_cold(engine)  # the reference: the same request evaluated from an empty context, nothing remembered
+    reference = client.post("/invocations", json=SINGLE).json()
+    assert reference["prompt"]["evaluated_tokens"] == reference["prompt"]["tokens"]
+    np.testing.assert_allclose(again["option_logits"], reference["option_logits"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(again["probabilities"], reference["probabilities"], rtol=0, atol=1e-9)
+    # The other question, also answered by the memo, got its own logits, not the first question's.
+    assert other_again["prompt"]["evaluated_tokens"] == 0
+    assert other_again["option_logits"] != again["option_logits"]
 
 
 def test_sequence_scoring_per_request(client):

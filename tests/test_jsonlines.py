@@ -12,6 +12,10 @@ from starlette.testclient import TestClient
 
 from serving import make_settings
 
+# The label memo is off here: the token counts checked are those of real evaluations and prefix reuse
+# (a memo hit would repeat the first answer).
+pytestmark = pytest.mark.usefixtures("memo_off")
+
 JSONL = {"content-type": "application/jsonlines"}
 TICKET = "Order 1142 arrived broken and the customer wants a refund before Friday."
 

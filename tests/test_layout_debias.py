@@ -11,6 +11,11 @@ import pytest
 
 from semif.serving.engine import combine_orders, softmax
 from semif.serving.prompt import Outcome, Question
+from serving import start_cold
+
+# The given and reversed orders are compared with the same questions evaluated alone: the label memo,
+# which would answer those from the first evaluation, is off here.
+pytestmark = pytest.mark.usefixtures("memo_off")
 
 ROUTING = Question(
     "Which team should take this ticket?",
@@ -40,13 +45,13 @@ def test_options_first_debias_gives_the_reversed_block_its_own_prefix_and_runs_t
 
 
 def test_options_first_debias_reversed_order_equals_the_reversed_question_scored_alone(engine):
-    engine.invalidate()
+    start_cold(engine)
     debiased = engine.score(TICKET, [ROUTING], layout="options_first", debias="reverse").distributions[0]
     # Without debias a routing plan fuses the state with the question (one segment); debias keeps them
     # apart (the state prefix is shared by nothing else, but the reversed pass mirrors the given one).
-    engine.invalidate()
+    start_cold(engine)
     given = engine.execute(_split(engine.plan(TICKET, [ROUTING], layout="options_first"))).distributions[0]
-    engine.invalidate()
+    start_cold(engine)
     alone = engine.execute(_split(engine.plan(TICKET, [REVERSED], layout="options_first"))).distributions[0]
     assert given.evaluated_tokens > 0 and alone.evaluated_tokens > 0
     orders = debiased.orders

@@ -87,31 +87,32 @@ def native_models(tmp_path_factory, model_path):
 
 @pytest.fixture(scope="module")
 def jev_engine(native_models):
-    engine = Engine(native_models["jev"], n_ctx=2048, n_threads=os.cpu_count() or 2, label_memo=False,
-                    flash_attn=False)  # compared with a one-batch evaluation below (conftest: why)
+    engine = Engine(native_models["jev"], n_ctx=2048, n_threads=os.cpu_count() or 2)  # otherwise as shipped
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def systemone_engine(native_models):
-    engine = Engine(native_models["systemone"], n_ctx=2048, n_threads=os.cpu_count() or 2, label_memo=False,
-                    flash_attn=False)  # compared with a one-batch evaluation (conftest: why)
+    engine = Engine(native_models["systemone"], n_ctx=2048, n_threads=os.cpu_count() or 2)  # otherwise as shipped
     yield engine
     engine.close()
 
 
-def _independent_logits(model_path, prompt_text: str, token_ids, *, add_bos: bool) -> list[float]:
-    import llama_cpp
+def _independent_logits(model_path, dist, *, add_bos: bool) -> list[float]:
+    """The answer's label logits from a fresh llama.cpp context: its prompt text tokenized there (it must give
+    the recorded segments' tokens), then decoded in those segments at the recorded settings."""
+    from semif.tools.recompute import FreshContext, decode_record
 
-    fresh = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=1024, logits_all=True, verbose=False)
+    record = dist.recompute
+    fresh = FreshContext(model_path, record["settings"])
     try:
-        tokens = fresh.tokenize(prompt_text.encode(), add_bos=add_bos, special=True)
-        fresh.eval(tokens)
-        row = np.asarray(fresh.scores[len(tokens) - 1], dtype=np.float64)
+        tokens = fresh.llm.tokenize(dist.prompt_text.encode(), add_bos=add_bos, special=True)
+        assert tokens == [t for segment in record["segments"] for t in segment["tokens"]]
+        row = decode_record(fresh, record)[len(tokens) - 1].astype(np.float64)
     finally:
         fresh.close()
-    return [float(row[t]) for t in token_ids]
+    return [float(row[t]) for t in dist.label_token_ids]
 
 
 def test_the_embedded_model_carries_no_decision_metadata_and_keeps_the_semif_template(engine):
@@ -136,8 +137,8 @@ def test_a_jev_decision_model_is_read_with_its_own_template_tokens_and_temperatu
     for dist in (route, is_account):
         assert dist.temperature == 2.0
         np.testing.assert_allclose(dist.probabilities, softmax([x / 2.0 for x in dist.option_logits]), atol=1e-12)
-        expected = _independent_logits(native_models["jev"], dist.prompt_text, dist.label_token_ids, add_bos=True)
-        np.testing.assert_allclose(dist.option_logits, expected, atol=2e-3)
+        expected = _independent_logits(native_models["jev"], dist, add_bos=True)
+        np.testing.assert_allclose(dist.option_logits, expected, rtol=0, atol=1e-4)
     assert result.state_tokens > 0  # the template starts with the state: it is evaluated once for both questions
 
 
@@ -155,8 +156,8 @@ def test_a_llama_cpp_systemone_model_uses_its_jinja_template_letters_and_buckete
     for dist in (route, is_account):
         np.testing.assert_allclose(dist.probabilities, softmax([x / dist.temperature for x in dist.option_logits]), atol=1e-12)
         # llama.cpp's decision server tokenizes the prompt without BOS
-        expected = _independent_logits(native_models["systemone"], dist.prompt_text, dist.label_token_ids, add_bos=False)
-        np.testing.assert_allclose(dist.option_logits, expected, atol=2e-3)
+        expected = _independent_logits(native_models["systemone"], dist, add_bos=False)
+        np.testing.assert_allclose(dist.option_logits, expected, rtol=0, atol=1e-4)
 
 
 def test_a_native_models_state_is_plain_text_and_cannot_forge_a_turn(jev_engine):

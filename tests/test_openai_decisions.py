@@ -7,6 +7,11 @@ import math
 
 import numpy as np
 import pytest
+from serving import start_cold
+
+# The label memo is off here: each answer is compared with the engine's cold evaluation, and usage counts real reuse
+# (a memo hit would repeat the first answer).
+pytestmark = pytest.mark.usefixtures("memo_off")
 
 INPUT = ("I was charged twice for my March invoice (order #4471) and the refund I was promised last week "
          "still hasn't arrived. Please fix this today or I will dispute the charge.")
@@ -38,7 +43,7 @@ def test_predicate_is_the_engines_probability_of_yes(client, engine):
     assert answer == {"type": "predicate", "name": "refund", "probability": answer["probability"]}
     assert body["usage"]["input_tokens_details"]["cached_tokens"] < body["usage"]["input_tokens"]
     job = openai_decisions.parse({"model": "m", "input": INPUT, "questions": [PREDICATE]}, Limits(255, 400))
-    engine.invalidate()  # a cold run: the reference the cached runs must equal
+    start_cold(engine)  # a cold run: the reference the cached runs must equal
     cold = engine.score(job.state_text, job.questions)
     assert cold.evaluated_tokens == cold.input_tokens
     expected = cold.distributions[0].probabilities[0]

@@ -26,11 +26,17 @@ STATE_B = "Ticket from a remote worker. " + "The VPN drops every ten minutes on 
 STATE_C = "Ticket from the lab. " + "The shared drive is read-only since Monday and my badge no longer opens the door. " * 6
 
 
+# The label memo answers a repeated prompt without a forward pass, so neither snapshot nor evaluation would
+# run: these tests compare restored prefixes with evaluated ones, the memo stays off for them.
+pytestmark = pytest.mark.usefixtures("memo_off")
+
+
 @pytest.fixture(scope="module")
 def reference(model_path):
-    """An engine that evaluates every prompt from an empty context: the answers a restore must give."""
+    """An engine that evaluates every prompt from an empty context: the answers a restore must give.
+    The session engine's settings (conftest: the shipped defaults), its caches off."""
     eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False,
-                 prefix_cache=False, prefix_cache_mb=0, flash_attn=False)  # as the session-scoped engine (conftest)
+                 prefix_cache=False, prefix_cache_mb=0)
     yield eng
     eng.close()
 

@@ -9,6 +9,7 @@ import pytest
 
 from semif.serving.engine import LabelError, PromptTooLong, softmax
 from semif.serving.prompt import Outcome, Question, render_state_block
+from serving import start_cold
 
 ROUTE = Question(
     "Which queue should handle this request?",
@@ -39,22 +40,23 @@ def test_labels_are_distinct_single_tokens_after_the_answer_cue(engine):
 
 
 def test_label_logits_equal_an_independent_recomputation_on_the_prompt_text(engine, model_path):
-    import llama_cpp
+    """prompt.text, tokenized by a fresh llama.cpp context, is what the record's segments hold; decoded in
+    those segments at the recorded settings, it gives the answer's label logits to 1e-4."""
+    from semif.tools.recompute import FreshContext, recompute_logits
 
-    result = engine.score(STATE, [ROUTE], return_prompt=True)
-    dist = result.distributions[0]
-    fresh = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=1024, logits_all=False, verbose=False)
+    dist = engine.score(STATE, [ROUTE], return_prompt=True).distributions[0]
+    record = dist.recompute
+    fresh = FreshContext(model_path, record["settings"])
     try:
-        tokens = fresh.tokenize(dist.prompt_text.encode("utf-8"), add_bos=True, special=True)
+        tokens = fresh.llm.tokenize(dist.prompt_text.encode("utf-8"), add_bos=True, special=True)
         assert len(tokens) == dist.tokens
-        fresh.eval(tokens)
-        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(fresh._ctx.ctx, -1), shape=(fresh.n_vocab(),))
+        assert tokens == [t for segment in record["segments"] for t in segment["tokens"]]
         # A label's logit is the log-sum-exp over its spellings (`A`, ` A`): see LabelSet.variants.
-        recomputed = [float(np.logaddexp.reduce([float(row[t]) for t in variants])) for variants in dist.label_variant_ids]
-        assert [v[0] for v in dist.label_variant_ids] == dist.label_token_ids
+        assert [v[0] for v in record["label_variant_ids"]] == dist.label_token_ids
+        recomputed = recompute_logits(record, model_path, context=fresh)
     finally:
         fresh.close()
-    np.testing.assert_allclose(dist.option_logits, recomputed, atol=2e-3)
+    np.testing.assert_allclose(dist.option_logits, recomputed, rtol=0, atol=1e-4)
 
 
 def _computed(result):
@@ -64,7 +66,7 @@ def _computed(result):
     return result
 
 
-def test_prefix_cache_on_equals_cache_off(engine):
+def test_prefix_cache_on_equals_cache_off(engine, memo_off, snapshots_off):
     questions = [ROUTE, PRIORITY, IS_ACCOUNT]
     engine.prefix_cache = False
     try:
@@ -99,7 +101,7 @@ def test_memo_answers_an_identical_prompt_from_remembered_logits_without_evaluat
     np.testing.assert_allclose(cold.probabilities, again.probabilities, atol=1e-6)
 
 
-def test_memo_hit_then_a_reevaluated_prefix_reports_only_the_tokens_really_reused(memo_on):
+def test_memo_hit_then_a_reevaluated_prefix_reports_only_the_tokens_really_reused(memo_on, snapshots_off):
     engine = memo_on
     engine.score(STATE, [ROUTE])  # remembered
     engine.score("Something else entirely about a parcel.", [ROUTE])  # the context now holds another state
@@ -114,7 +116,7 @@ def test_memo_hit_then_a_reevaluated_prefix_reports_only_the_tokens_really_reuse
     assert result.state_cached_tokens < result.state_tokens
 
 
-def test_sequence_scoring_with_cache_equals_without(engine):
+def test_sequence_scoring_with_cache_equals_without(engine, memo_off):
     engine.prefix_cache = False
     try:
         cold = _computed(engine.score(STATE, [ROUTE, PRIORITY], scoring="sequence")).distributions
@@ -128,7 +130,7 @@ def test_sequence_scoring_with_cache_equals_without(engine):
 
 
 def test_state_prefix_is_evaluated_once_for_several_questions(engine):
-    engine.invalidate()
+    start_cold(engine)
     result = engine.score(STATE, [ROUTE, PRIORITY, IS_ACCOUNT])
     first, second, third = result.distributions
     assert first.cached_tokens == 0 and first.evaluated_tokens == first.tokens
@@ -138,12 +140,12 @@ def test_state_prefix_is_evaluated_once_for_several_questions(engine):
     assert result.evaluated_tokens == result.input_tokens  # the prefix once, then each question's own tokens
 
 
-def test_answers_do_not_depend_on_other_questions_or_their_order(engine):
+def test_answers_do_not_depend_on_other_questions_or_their_order(engine, memo_off):
     together = _computed(engine.score(STATE, [ROUTE, PRIORITY, IS_ACCOUNT])).distributions
     reordered = _computed(engine.score(STATE, [IS_ACCOUNT, ROUTE, PRIORITY])).distributions
     alone = []
     for q in (ROUTE, PRIORITY, IS_ACCOUNT):
-        engine.invalidate()  # each alone from a cold context: nothing shared with the batched runs
+        start_cold(engine)  # each alone from a cold context: nothing shared with the batched runs
         alone.append(_computed(engine.score(STATE, [q])).distributions[0])
     for a, b in zip(together, alone):
         np.testing.assert_allclose(a.probabilities, b.probabilities, atol=1e-6)
@@ -151,7 +153,7 @@ def test_answers_do_not_depend_on_other_questions_or_their_order(engine):
         np.testing.assert_allclose(a.probabilities, b.probabilities, atol=1e-6)
 
 
-def test_models_that_cannot_rewind_partially_fall_back_to_snapshots_with_equal_results(engine):
+def test_models_that_cannot_rewind_partially_fall_back_to_snapshots_with_equal_results(engine, memo_off):
     engine.invalidate()
     reference = _computed(engine.score(STATE, [ROUTE, PRIORITY])).distributions
     restores_before = engine.snapshot_restores
@@ -186,23 +188,28 @@ def test_sequence_scoring_is_length_normalised_log_likelihood(engine):
 
 
 def test_sequence_scoring_matches_a_manual_continuation_log_likelihood(engine, model_path):
-    import llama_cpp
+    """Option `billing`: the mean log-probability of `billing<|im_end|>` after prompt.text, from a fresh
+    context decoding the recorded segments (then the answer after the prompt), to 1e-4."""
+    from semif.tools.recompute import FreshContext, decode_record
 
     dist = engine.score(STATE, [ROUTE], scoring="sequence", return_prompt=True).distributions[0]
-    fresh = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=1024, logits_all=True, verbose=False)
+    record = dist.recompute
+    fresh = FreshContext(model_path, record["settings"])
     try:
-        prompt = fresh.tokenize(dist.prompt_text.encode(), add_bos=True, special=True)
+        prompt = fresh.llm.tokenize(dist.prompt_text.encode(), add_bos=True, special=True)
+        assert prompt == [t for segment in record["segments"] for t in segment["tokens"]]
         # The answer as the model would write it after the assistant header, ending its turn.
-        answer = fresh.tokenize(b"billing<|im_end|>", add_bos=False, special=True)
-        fresh.eval(prompt + answer)
-        logits = np.asarray(fresh.scores[: len(prompt) + len(answer)], dtype=np.float64)
+        answer = fresh.llm.tokenize(b"billing<|im_end|>", add_bos=False, special=True)
+        assert record["answers"][1] == answer
+        rows = [decode_record(fresh, record)[len(prompt) - 1]]
+        tail = fresh.decode(len(prompt), answer[:-1], set(range(len(prompt), len(prompt) + len(answer) - 1)))
+        rows += [tail[p] for p in sorted(tail)]
         total = 0.0
-        for i, token in enumerate(answer):
-            row = logits[len(prompt) - 1 + i]
+        for row, token in zip(np.asarray(rows, dtype=np.float64), answer):
             total += row[token] - (row.max() + np.log(np.exp(row - row.max()).sum()))
     finally:
         fresh.close()
-    assert dist.option_logits[1] == pytest.approx(total / len(answer), abs=2e-3)
+    assert dist.option_logits[1] == pytest.approx(total / len(answer), abs=1e-4)
 
 
 def test_more_options_than_labels_is_a_clear_label_error(engine):
@@ -275,10 +282,10 @@ def test_a_request_over_the_token_budget_is_refused_before_evaluation(engine):
     assert engine.plan(STATE, [ROUTE] * 3, max_request_tokens=plan.worst_case_tokens).worst_case_tokens == plan.worst_case_tokens
 
 
-def test_cancel_stops_between_questions_and_leaves_the_context_consistent(engine):
+def test_cancel_stops_between_questions_and_leaves_the_context_consistent(engine, memo_off):
     from semif.serving.engine import Cancelled
 
-    engine.invalidate()
+    start_cold(engine)
     asked = []
 
     def cancel():
@@ -290,15 +297,15 @@ def test_cancel_stops_between_questions_and_leaves_the_context_consistent(engine
     assert (info.value.done, info.value.total) == (2, 4)
     warm = _computed(engine.score(STATE, [IS_ACCOUNT]))
     assert warm.state_cached_tokens == warm.state_tokens  # what the cancelled request evaluated is kept
-    engine.invalidate()
-    cold = _computed(engine.score(STATE, [IS_ACCOUNT]))
-    np.testing.assert_allclose(warm.distributions[0].option_logits, cold.distributions[0].option_logits, atol=1e-5)
+    start_cold(engine)
+    reference = _computed(engine.score(STATE, [IS_ACCOUNT]))
+    np.testing.assert_allclose(warm.distributions[0].option_logits, reference.distributions[0].option_logits, atol=1e-5)
 
 
-def test_a_failure_mid_request_empties_the_context_so_the_next_answer_equals_a_cold_one(engine, monkeypatch):
+def test_a_failure_mid_request_empties_the_context_so_the_next_answer_equals_a_cold_one(engine, memo_off, monkeypatch):
     import llama_cpp
 
-    engine.invalidate()
+    start_cold(engine)
     engine.score("An unrelated state that the failed request will partly overwrite.", [ROUTE])
     real = llama_cpp.llama_get_logits_ith
     calls = []
@@ -317,9 +324,9 @@ def test_a_failure_mid_request_empties_the_context_so_the_next_answer_equals_a_c
     monkeypatch.setattr(llama_cpp, "llama_get_logits_ith", real)
     assert engine._segments == []  # bookkeeping cleared with the context
     after = _computed(engine.score(STATE, [PRIORITY, IS_ACCOUNT]))
-    engine.invalidate()
-    cold = _computed(engine.score(STATE, [PRIORITY, IS_ACCOUNT]))
-    for a, b in zip(after.distributions, cold.distributions):
+    start_cold(engine)
+    reference = _computed(engine.score(STATE, [PRIORITY, IS_ACCOUNT]))
+    for a, b in zip(after.distributions, reference.distributions):
         np.testing.assert_allclose(a.option_logits, b.option_logits, atol=1e-5)
 
 

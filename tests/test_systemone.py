@@ -10,7 +10,11 @@ import httpx
 import numpy as np
 import pytest
 
-from serving import make_settings
+from serving import make_settings, start_cold
+
+# The label memo is off here: each answer is compared with the engine's cold evaluation of the same questions
+# (a memo hit would repeat the first answer).
+pytestmark = pytest.mark.usefixtures("memo_off")
 
 TICKET = ("I was charged twice for my March invoice (order #4471) and the refund I was promised last week "
           "still hasn't arrived. Please fix this today or I will dispute the charge.")
@@ -37,7 +41,7 @@ def recompute(engine, questions, state=TICKET):
     from semif.serving.contracts.base import Limits
 
     job = systemone.parse({"state": state, "questions": questions}, Limits(255, 400))
-    engine.invalidate()  # a cold run: the reference the cached runs must equal
+    start_cold(engine)  # a cold run: the reference the cached runs must equal
     result = engine.score(job.state_text, job.questions)
     assert result.evaluated_tokens == result.input_tokens  # everything computed: no memo, no cache
     return job, result

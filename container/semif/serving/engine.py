@@ -83,6 +83,10 @@ class Distribution:
     # Sequence scoring: each option's token log-probabilities (its last token is the end-of-turn token).
     answer_token_logprobs: Optional[list[list[float]]] = None
     temperature: Optional[float] = None  # a native decision model's: probabilities = softmax(logits / T)
+    # With return_prompt: what a fresh llama.cpp context must decode to reproduce option_logits exactly
+    # (the segments as decoded, the logits positions, the numerics settings): docs/adapter.md, "Recomputing
+    # an answer". None on the batched path, whose answers depend on the other questions in the batch.
+    recompute: Optional[dict] = None
 
 
 @dataclass
@@ -194,6 +198,25 @@ def default_n_ctx(model_path: str | os.PathLike) -> int:
     finally:
         llama_cpp.llama_model_free(model)
     return min(trained, DEFAULT_N_CTX_CAP) if trained > 0 else FALLBACK_N_CTX
+
+
+def _ggml_type_name(value: int) -> str:
+    """The KV cache element type's name ("f16"), from llama_cpp's GGML_TYPE_* constants."""
+    import llama_cpp
+
+    for name in dir(llama_cpp):
+        if name.startswith("GGML_TYPE_") and getattr(llama_cpp, name) == value:
+            return name[len("GGML_TYPE_"):].lower()
+    return str(value)
+
+
+def recompute_segments(segments: Sequence[Sequence[int]]) -> list[dict]:
+    """Segments as the recompute record lists them: each one's first position and tokens."""
+    out, pos = [], 0
+    for segment in segments:
+        out.append({"pos": pos, "tokens": [int(t) for t in segment]})
+        pos += len(segment)
+    return out
 
 
 def _cpu_name() -> str:
@@ -374,6 +397,18 @@ class Engine:
             "thinking": self.template.thinking,
             "end_of_turn_token": self._piece(self.end_of_turn_token),
             "native_decision": None,
+        }
+        # The context settings that change a logit (recorded in every recompute record). Threads do not:
+        # llama.cpp's CPU kernels split whole rows between threads (tests/test_recompute.py checks it).
+        self.numerics = {
+            "n_ctx": self.n_ctx,
+            "n_batch": n_batch,
+            "n_ubatch": n_batch,
+            "flash_attn": bool(flash_attn),
+            "type_k": _ggml_type_name(self.llm.context_params.type_k),
+            "type_v": _ggml_type_name(self.llm.context_params.type_v),
+            "swa_full": True,
+            "n_gpu_layers": self.n_gpu_layers,
         }
         if self.native is not None:
             self.info.update(template_version=self.native.template_version, template_sha256=self.native.sha256,
@@ -962,9 +997,10 @@ class Engine:
         suffix = qplan.suffix_tokens
         if plan.scoring == "label":
             # Recurrent models restart each question from a snapshot of the whole prefix: nothing to fuse.
-            dist = self._score_labels(qplan, prefix, suffix, fuse=plan.fuse_state_and_question and self.partial_rewind)
+            dist = self._score_labels(qplan, prefix, suffix, fuse=plan.fuse_state_and_question and self.partial_rewind,
+                                      record=plan.return_prompt)
         else:
-            dist = self._score_sequence(prefix, suffix, [list(a) for a in qplan.answer_tokens])
+            dist = self._score_sequence(prefix, suffix, [list(a) for a in qplan.answer_tokens], record=plan.return_prompt)
         if plan.return_prompt:
             dist.prompt_text = prefix_text + qplan.text
         return dist, (len(suffix) if dist.evaluated_tokens == 0 else 0)
@@ -992,9 +1028,14 @@ class Engine:
             "reversed": {"probabilities": unshuffle(back.probabilities), "option_logits": back_logits,
                          "label_mass": back.label_mass, "labels": back.labels, "label_token_ids": back.label_token_ids},
         }
+        recompute = None
         if plan.return_prompt:
             orders["reversed"]["prompt_text"] = back.prompt_text
+            # option_logits = combine_orders(given, reversed put back in the given order by ``order``).
+            recompute = dict(given.recompute or {})
+            recompute["reversed"] = dict(back.recompute or {}, order=list(order))
         dist = Distribution(
+            recompute=recompute,
             option_logits=combined,
             probabilities=softmax(combined),
             tokens=given.tokens + qplan.reversed.input_tokens,
@@ -1036,9 +1077,11 @@ class Engine:
             cached = self._memo_prefix = (prefix, _tokens_digest(prefix))
         return _tokens_digest((suffix, label_ids), cached[1].copy()).digest()
 
-    def _score_labels(self, qplan: QuestionPlan, prefix: list[list[int]], suffix: list[int], *, fuse: bool = False) -> Distribution:
+    def _score_labels(self, qplan: QuestionPlan, prefix: list[list[int]], suffix: list[int], *, fuse: bool = False,
+                      record: bool = False) -> Distribution:
         """``fuse``: evaluate the prefix's last segment and the suffix as one segment
-        (PromptPlan.fuse_state_and_question); the memo keeps fused and split logits apart."""
+        (PromptPlan.fuse_state_and_question); the memo keeps fused and split logits apart. ``record``:
+        attach the recompute record (the segments as decoded; a memo hit was decoded the same way)."""
         label_ids = list(qplan.label_token_ids or ())
         variants = [list(v) for v in (qplan.label_variants or [(t,) for t in label_ids])]
         total = sum(len(s) for s in prefix) + len(suffix)
@@ -1052,15 +1095,20 @@ class Engine:
             reused, evaluated = total, 0
         else:
             self._ensure_prefix(prefix)
-            segments = prefix[:-1] + [prefix[-1] + list(suffix)] if fuse and prefix else prefix + [suffix]
-            rows, reused, evaluated = self._forward(segments, [total - 1])
+            rows, reused, evaluated = self._forward(self._label_segments(prefix, suffix, fuse), [total - 1])
             logits, label_mass = _label_logits(rows[total - 1], variants)
             if use_memo:
                 self._label_memo[key] = (logits, label_mass)
                 while len(self._label_memo) > LABEL_MEMO_SIZE:
                     self._label_memo.popitem(last=False)
         temperature = qplan.temperature
+        recompute = None
+        if record:
+            recompute = {"scoring": "label", "settings": dict(self.numerics),
+                         "segments": recompute_segments(self._label_segments(prefix, suffix, fuse)),
+                         "logits_at": [total - 1], "label_variant_ids": variants}
         return Distribution(
+            recompute=recompute,
             option_logits=logits,
             probabilities=softmax([x / temperature for x in logits]) if temperature else softmax(logits),
             temperature=temperature,
@@ -1074,7 +1122,12 @@ class Engine:
             label_variant_ids=variants,
         )
 
-    def _score_sequence(self, prefix: list[list[int]], suffix: list[int], answers: list[list[int]]) -> Distribution:
+    @staticmethod
+    def _label_segments(prefix: list[list[int]], suffix: Sequence[int], fuse: bool) -> list[list[int]]:
+        return prefix[:-1] + [prefix[-1] + list(suffix)] if fuse and prefix else prefix + [list(suffix)]
+
+    def _score_sequence(self, prefix: list[list[int]], suffix: list[int], answers: list[list[int]], *,
+                        record: bool = False) -> Distribution:
         """Cloze scoring: mean log-probability of each answer's tokens (which end with the end-of-turn
         token) after the prompt.
 
@@ -1100,7 +1153,14 @@ class Engine:
             per_token.append(logprobs)
             scores.append(float(sum(logprobs) / len(logprobs)))
         scores = [s if math.isfinite(s) else -1e30 for s in scores]
+        recompute = None
+        if record:
+            # Each answer: its tokens; all but the last are one more segment after the prompt (the context
+            # rewound to the prompt's end first), logits at every position of it.
+            recompute = {"scoring": "sequence", "settings": dict(self.numerics), "segments": recompute_segments(body),
+                         "logits_at": [prompt_len - 1], "answers": [[int(t) for t in a] for a in answers]}
         return Distribution(
+            recompute=recompute,
             option_logits=scores,
             probabilities=softmax(scores),
             tokens=prompt_len,

@@ -176,6 +176,8 @@ def parse(body: Any, limits: Limits) -> Job:
                 prompt["label_token_ids"] = dist.label_token_ids
                 prompt["labels"] = dist.labels
                 prompt["label_variant_ids"] = dist.label_variant_ids
+                # What a fresh llama.cpp context decodes to reproduce option_logits (docs/adapter.md).
+                prompt["recompute"] = getattr(dist, "recompute", None)
                 if dist.orders is not None:
                     # Each order's own answer (outcomes in the given order), before they were combined.
                     prompt["orders"] = dist.orders
