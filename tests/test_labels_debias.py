@@ -287,7 +287,7 @@ def _computed(result):
     return result
 
 
-def test_debiased_answer_is_the_renormalised_mean_log_probability_of_both_orders(engine):
+def test_debiased_answer_is_the_renormalised_mean_log_probability_of_both_orders(engine, memo_off):
     given = _computed(engine.score(STATE, [ROUTE])).distributions[0]
     back = _computed(engine.score(STATE, [reversed_question(ROUTE)])).distributions[0]
     debiased = _computed(engine.score(STATE, [ROUTE], debias="reverse", return_prompt=True)).distributions[0]
@@ -302,7 +302,7 @@ def test_debiased_answer_is_the_renormalised_mean_log_probability_of_both_orders
 
 
 @pytest.mark.parametrize("scoring", ["label", "sequence"])
-def test_a_debiased_answer_does_not_depend_on_the_order_the_client_lists_the_options_in(engine, scoring):
+def test_a_debiased_answer_does_not_depend_on_the_order_the_client_lists_the_options_in(engine, scoring, memo_off):
     """(Choices only: a scale's levels and a yes/no question's outcomes have a meaning in their order.)"""
     forward = _computed(engine.score(STATE, [ROUTE], debias="reverse", scoring=scoring)).distributions[0]
     backward = _computed(engine.score(STATE, [reversed_question(ROUTE)], debias="reverse", scoring=scoring)).distributions[0]
