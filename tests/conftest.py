@@ -25,7 +25,7 @@ def engine(model_path):
     (semif.tools.recompute): decoded in the engine's own segments, flash attention reproduces to 1e-4.
     A test that compares two computations of one prompt asks for `memo_off` (a memo hit would compare an
     answer with itself); the memo and snapshot tests empty them first (`memo_on`, `snapshots_on`)."""
-    from semif.serving.engine import Engine
+    from semif.serving.engine.context import Engine
 
     eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2)
     yield eng
@@ -84,7 +84,7 @@ def snapshots_off(engine):
 
 @pytest.fixture(scope="session")
 def app(engine, model_path):
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
 
     return create_app(make_settings(model_path), engine)
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from semif.serving.admission import Abandoned, Admission, Cancellation, Overloaded, wait_admitted
+from semif.serving.http.admission import Abandoned, Admission, Cancellation, Overloaded, wait_admitted
 
 
 async def _hold(admission: Admission, release: threading.Event) -> asyncio.Task:

@@ -163,7 +163,7 @@ def test_an_openai_input_json_nested_1200_deep_gets_400_naming_the_part(client):
 
 
 def test_nesting_up_to_the_limit_is_answered(client):
-    from semif.serving.app import MAX_JSON_DEPTH
+    from semif.serving.http.app import MAX_JSON_DEPTH
 
     # The body adds one level ({"state": …}); the deepest container then sits at the limit.
     response = _raw_post(client, "/v1/systemone", _with_value(SYSTEM_ONE, "state", _nested(MAX_JSON_DEPTH - 1)))
@@ -258,7 +258,7 @@ def test_system_one_and_openai_name_the_question_whose_prompt_is_too_long(client
 def test_a_request_over_the_token_budget_is_413_naming_the_questions(engine, model_path):
     from starlette.testclient import TestClient
 
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
     from serving import make_settings
 
     with TestClient(create_app(make_settings(model_path, max_request_tokens=300), engine)) as small_budget:

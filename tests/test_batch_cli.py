@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from moto import mock_aws
 from rich.console import Console
 
-from semif.serving.jsonlines import split_lines
+from semif.serving.http.jsonlines import split_lines
 from semif.tools import batch
 
 REGION = "us-east-1"

@@ -71,8 +71,8 @@ def test_local_run_answers_one_line_per_record_in_order_with_broken_lines_as_err
 
 
 def test_every_good_line_equals_the_single_request_answer_computed_for_real(batch_files, model_path):
-    from semif.serving.app import create_app
-    from semif.serving.engine import Engine
+    from semif.serving.http.app import create_app
+    from semif.serving.engine.context import Engine
 
     folder, records = batch_files
     out = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""Several sequences per decode (SEMIF_BATCHING, semif/serving/batching.py) on the real embedded model.
+"""Several sequences per decode (SEMIF_BATCHING, semif/serving/engine/batching.py) on the real embedded model.
 
 Batched answers are compared with serial ones computed for real on the session-scoped serial engine. They
 are not bit-equal: the batch shape changes llama.cpp's kernels and their float accumulation. DRIFT is
@@ -18,10 +18,10 @@ import httpx
 import numpy as np
 import pytest
 
-from semif.serving.batching import execute_batch
+from semif.serving.engine.batching import execute_batch
 from semif.serving.config import Settings, SettingsError
-from semif.serving.engine import Cancelled, softmax
-from semif.serving.prompt import Outcome, Question
+from semif.serving.engine.context import Cancelled, softmax
+from semif.serving.engine.prompt import Outcome, Question
 
 from serving import make_settings, start_cold
 
@@ -62,7 +62,7 @@ def batched(model_path):
     settings (the shipped defaults, flash attention on), label memo off: every compared answer is computed."""
     import os
 
-    from semif.serving.engine import Engine
+    from semif.serving.engine.context import Engine
 
     eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=1, label_memo=False, n_seq=N_SEQ)
     yield eng
@@ -165,7 +165,7 @@ def test_after_a_batch_only_sequence_zero_holds_the_last_state_and_the_next_requ
 def at_defaults(model_path):
     """An engine with N_SEQ sequences and every other setting as `serve` ships it (flash attention, label
     memo, prefix snapshots), one thread (as `batched`)."""
-    from semif.serving.engine import Engine
+    from semif.serving.engine.context import Engine
 
     eng = Engine(model_path, n_threads=1, n_seq=N_SEQ)
     yield eng
@@ -250,7 +250,7 @@ def test_a_cancelled_request_stops_between_waves_while_the_others_answer(batched
 
 
 def test_batching_is_off_by_default_and_the_service_then_runs_each_request_alone(model_path, engine):
-    from semif.serving.app import DecisionService
+    from semif.serving.http.app import DecisionService
 
     settings = Settings.from_env({"SEMIF_MODEL_PATH": str(model_path)})
     assert settings.batching is False
@@ -304,7 +304,7 @@ def test_queued_requests_share_a_decode_and_each_gets_its_own_answer(start_serve
     # Serial answers through the same contract, from an engine built as `serve` builds it (flash attention on).
     from starlette.testclient import TestClient
 
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
 
     with TestClient(create_app(make_settings(model_path), at_defaults)) as serial_client:
         serial = []
@@ -388,7 +388,7 @@ def test_the_random_weight_gguf_of_the_device_script_loads_and_answers_batched(t
     import subprocess
     import sys
 
-    from semif.serving.engine import Engine
+    from semif.serving.engine.context import Engine
 
     from serving import REPO
 

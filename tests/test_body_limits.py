@@ -70,7 +70,7 @@ SHAPES = list(EXPECTED)
 
 ADMIT = r"""
 import json, sys, time
-from semif.serving.body import parse_json
+from semif.serving.http.body import parse_json
 from semif.serving.contracts import semif, systemone
 from semif.serving.contracts.base import Limits, RequestError
 raw = open(sys.argv[1], "rb").read()
@@ -112,7 +112,7 @@ def test_each_hostile_shape_at_one_mib_is_refused_within_a_second_naming_the_fie
 def test_a_valid_deep_body_parses_without_copying_a_path_per_value():
     """98 levels of arrays around 130,000 strings (just under the value cap), with one escaped surrogate
     pair so that the string walk runs: its memory stays a small multiple of the body."""
-    from semif.serving.body import parse_json
+    from semif.serving.http.body import parse_json
 
     raw = b"[" * 98 + b'"\\ud83d\\ude00",' + b'"",' * 129_999 + b'""' + b"]" * 98
     tracemalloc.start()
@@ -129,7 +129,7 @@ def test_a_valid_deep_body_parses_without_copying_a_path_per_value():
 
 
 def test_a_lone_surrogate_deep_in_a_large_body_is_named_by_its_path():
-    from semif.serving.body import parse_json
+    from semif.serving.http.body import parse_json
     from semif.serving.contracts.base import RequestError
 
     items = ",".join(['""'] * 5000 + ['{"k":["ok","\\ud800"]}'])
@@ -139,7 +139,7 @@ def test_a_lone_surrogate_deep_in_a_large_body_is_named_by_its_path():
 
 
 def test_the_value_cap_counts_scalars_and_containers_and_names_where_it_was_passed():
-    from semif.serving.body import parse_json
+    from semif.serving.http.body import parse_json
     from semif.serving.contracts.base import RequestError
 
     # body, a, b (3), the list (4), its two items: 6 values; keys are not counted.
@@ -152,7 +152,7 @@ def test_the_value_cap_counts_scalars_and_containers_and_names_where_it_was_pass
 
 
 def test_structure_pass_ignores_brackets_and_commas_inside_strings():
-    from semif.serving.body import check_structure
+    from semif.serving.http.body import check_structure
 
     check_structure('["' + "[" * 500 + '", "\\"[,,,:{"]', max_depth=2, max_values=3)
 
@@ -182,7 +182,7 @@ def test_object_state_rendered_past_the_cap_is_refused_413_naming_the_field():
 
 
 def test_body_reservations_share_one_budget_and_give_it_back():
-    from semif.serving.body import BodyBudget, BodyBudgetExceeded
+    from semif.serving.http.body import BodyBudget, BodyBudgetExceeded
 
     budget = BodyBudget(100)
     first, second = budget.reservation(), budget.reservation()
@@ -199,7 +199,7 @@ def test_body_reservations_share_one_budget_and_give_it_back():
 
 
 def test_json_lines_records_are_parsed_in_bounded_chunks():
-    from semif.serving.jsonlines import parse_chunk
+    from semif.serving.http.jsonlines import parse_chunk
 
     lines = [b'{"a": %d}' % i for i in range(100)] + [b"{bad", b'{"a": "\\ud800"}']
     chunk = parse_chunk(lines, 0, chunk_bytes=64)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
-from semif.serving.engine import Engine
-from semif.serving.prompt import Outcome, Question
+from semif.serving.engine.context import Engine
+from semif.serving.engine.prompt import Outcome, Question
 
 from serving import make_settings
 
@@ -146,7 +146,7 @@ def test_two_hot_states_alternating_with_room_for_one_snapshot_all_answer_200_eq
     be restored is then the least recently used one, and saving the other state must not evict it."""
     from starlette.testclient import TestClient
 
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
 
     _reset(hot, snapshot_bytes=_room(snapshot_sizes, 1))
     order = [0, 1] * 4

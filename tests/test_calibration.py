@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from semif.serving.calibration import (
+from semif.serving.postprocess.calibration import (
     Calibration,
     CalibrationError,
     Case,
@@ -210,7 +210,7 @@ SINGLE = {"decision": {"id": "route", "state": "My laptop screen cracked.", "que
 def test_the_adapter_applies_the_temperature_keeps_raw_logits_and_reports_the_calibration(engine, model_path):
     from starlette.testclient import TestClient
 
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
     from serving import make_settings
 
     cal = Calibration.from_dict(served_payload(engine, temperature=3.0, per_decision={"route": {"temperature": 0.5, "n": 6}},

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from semif.serving.calibration import Calibration, CalibrationError, FitKind, build_file, softmax
+from semif.serving.postprocess.calibration import Calibration, CalibrationError, FitKind, build_file, softmax
 from serving import SAMPLE_DECISIONS, make_settings
 
 DECISION = {"id": "route", "state": "My laptop screen cracked when it fell off the desk.", "question": "Which team?",
@@ -32,7 +32,7 @@ def fitted_file(info: dict, fits: dict[FitKind, float], *, policy=None, **bound)
 @pytest.fixture(scope="module")
 def shipped_engine(model_path):
     """The embedded model with every engine setting as shipped (flash attention, label memo, snapshots)."""
-    from semif.serving.engine import Engine
+    from semif.serving.engine.context import Engine
 
     engine = Engine(model_path, n_ctx=4096, n_threads=2)
     yield engine
@@ -43,7 +43,7 @@ def client_with(engine, payload: dict, tmp_path):
     """An in-process app with the file loaded the way `serve` loads it (model and template checked)."""
     from starlette.testclient import TestClient
 
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
 
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(payload))

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from semif.serving.prompt import Outcome, Question
+from semif.serving.engine.prompt import Outcome, Question
 from serving import gemma_model
 
 SHORT_AND_LONG = Question("Which reply code is in the text?", (Outcome("yes"), Outcome("yes_but_later")))
@@ -118,7 +118,7 @@ def gemma_with_space_prefix(tmp_path_factory):
     import gguf
     from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
-    from semif.serving.engine import Engine
+    from semif.serving.engine.context import Engine
 
     source = gemma_model()  # installed by `make setup`
     target = tmp_path_factory.mktemp("gemma-spm") / "gemma-space-prefix.gguf"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from semif.serving.manifest import MANIFEST_NAME, load_manifest
+from semif.serving.engine.manifest import MANIFEST_NAME, load_manifest
 from semif.tools.package_model import main as package_model
 
 ROOT = Path(__file__).resolve().parents[1]

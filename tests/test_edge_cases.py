@@ -24,13 +24,13 @@ NOUL = {"state": TICKET, "questions": {"refund": {"type": "noul", "instructions"
 def _app_client(engine, **settings):
     from starlette.testclient import TestClient
 
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
 
     return TestClient(create_app(make_settings(engine.model_path, **settings), engine), raise_server_exceptions=False)
 
 
 def _engine(path):
-    from semif.serving.engine import Engine
+    from semif.serving.engine.context import Engine
 
     return Engine(path, n_ctx=2048, n_threads=2)  # every other setting as shipped
 
@@ -79,7 +79,7 @@ def test_the_tiny_model_really_scores_the_ruled_out_label_minus_infinity(ruled_o
     """The premise, read from llama.cpp's own logits after the engine's prompt."""
     import numpy as np
 
-    from semif.serving.prompt import Outcome, Question
+    from semif.serving.engine.prompt import Outcome, Question
 
     engine = ruled_out_engine
     question = Question("Which team?", (Outcome("billing"), Outcome("shipping"), Outcome("account")))
@@ -103,7 +103,7 @@ def test_the_tiny_model_really_scores_the_ruled_out_label_minus_infinity(ruled_o
 
 @pytest.mark.parametrize("debias", ["none", "reverse"])
 def test_a_label_at_minus_infinity_in_every_variant_gets_probability_zero_not_nan_or_500(ruled_out_engine, debias):
-    from semif.serving.engine import RULED_OUT_LOGIT
+    from semif.serving.engine.context import RULED_OUT_LOGIT
 
     with _app_client(ruled_out_engine) as http:
         first = http.post("/invocations", json={**THREE, "debias": debias, "return_prompt": True})
@@ -152,7 +152,7 @@ def one_label_engine(tmp_path_factory, model_path):
 
 
 def test_a_binary_question_without_two_labels_is_a_422_naming_the_question_not_an_index_error(one_label_engine):
-    from semif.serving.prompt import Outcome, Question
+    from semif.serving.engine.prompt import Outcome, Question
 
     assert one_label_engine.labels.letters.texts == ("A",) and len(one_label_engine.labels.binary.texts) == 1
     with _app_client(one_label_engine) as http:
@@ -181,7 +181,7 @@ def test_a_binary_question_without_two_labels_is_a_422_naming_the_question_not_a
     ({"true": 9230, "false": 9230}, "labels 'true' and 'false' have the same token id 9230"),
 ])
 def test_a_native_model_whose_label_tokens_are_out_of_range_or_shared_is_refused_at_load(tmp_path, model_path, tokens, message):
-    from semif.serving.native import NativeDecisionError
+    from semif.serving.engine.native import NativeDecisionError
 
     metadata = {"decision.prompt_template": "<|im_start|>user\n{state}\n{instructions}<|im_end|>\n<|im_start|>assistant\n",
                 "decision.tokens": json.dumps(tokens)}
@@ -217,7 +217,7 @@ def _models_with_authorization(engine, api_key: str, headers: list[bytes]) -> li
 
     import httpx
 
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
 
     app = create_app(make_settings(engine.model_path, api_key=api_key), engine)
 
@@ -249,7 +249,7 @@ def test_the_key_comparison_is_on_equal_length_digests_whatever_the_token(monkey
     wrong, shorter or longer, so neither the outcome nor the key's length shows in the timing."""
     import hmac
 
-    from semif.serving import auth
+    from semif.serving.http import auth
 
     seen: list[tuple[int, int]] = []
     real = hmac.compare_digest

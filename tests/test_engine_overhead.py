@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from semif.serving.engine import Engine, _token_logprobs, _tokens_key
-from semif.serving.prompt import Outcome, Question
+from semif.serving.engine.context import Engine, _token_logprobs, _tokens_key
+from semif.serving.engine.prompt import Outcome, Question
 
 ROUTE = Question("Which queue?", (Outcome("billing", "Invoices and refunds."), Outcome("shipping", "Parcels.")))
 TEXTS = [

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from serving import SAMPLE_DECISIONS, load_sample_decisions, start_cold
-from semif.serving.calibration import Calibration, FitKind, softmax
+from semif.serving.postprocess.calibration import Calibration, FitKind, softmax
 from semif.tools.client import SemIfClient
 from semif.tools.evaluate import (
     CaseOutcome,
@@ -25,7 +25,7 @@ from semif.tools.evaluate import (
     score_decisions,
     write_plots,
 )
-from semif.serving.policy import Policy
+from semif.serving.postprocess.policy import Policy
 from semif.tools.sagemaker_transport import RetryingTransport
 
 # The label memo is off here: a recomputed case is compared with a cold evaluation
@@ -118,7 +118,7 @@ def test_chat_on_a_server_without_the_route_is_reported_unavailable():
 
 
 def test_a_short_eval_run_on_the_real_model_reports_what_the_engine_computes(engine, tmp_path):
-    from semif.serving.prompt import Outcome, Question
+    from semif.serving.engine.prompt import Outcome, Question
 
     rows = load_sample_decisions()[:2]
     target = InProcessTarget(engine)
@@ -177,7 +177,7 @@ def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_p
     assert fitted["global"]["n"] == 2 and set(fitted["per_decision"]) == {"route"}
     # contextual calibration measured on the real model's content-free answers, stored for its option set
     rows = load_sample_decisions()
-    from semif.serving.prompt import options_sha256
+    from semif.serving.engine.prompt import options_sha256
 
     assert fitted["contextual"]["route"]["options_sha256"] == options_sha256([(o["id"], o.get("description")) for o in rows[0]["options"]])
     prior = np.exp(fitted["contextual"]["route"]["log_prior"])

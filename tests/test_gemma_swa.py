@@ -19,7 +19,7 @@ import os
 import numpy as np
 import pytest
 
-from semif.serving.prompt import Outcome, Question
+from semif.serving.engine.prompt import Outcome, Question
 from serving import gemma_model
 
 pytestmark = pytest.mark.gemma
@@ -42,7 +42,7 @@ def _long_state(topic: str, lines: int) -> str:
 
 @pytest.fixture(scope="module")
 def gemma():
-    from semif.serving.engine import Engine
+    from semif.serving.engine.context import Engine
 
     engine = Engine(gemma_model(), n_ctx=8192, n_batch=512, n_threads=os.cpu_count() or 2, label_memo=False)
     yield engine

@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from semif.serving.plan import PlanError, build_plan
-from semif.serving.prompt import (
+from semif.serving.engine.plan import PlanError, build_plan
+from semif.serving.engine.prompt import (
     DATA_RULE, INJECTION_CHECK_QUESTION, LabelSet, Labels, Outcome, PromptTemplate, Question, TEMPLATE_VERSION,
     _fence_tag, render_state_block,
 )
@@ -264,7 +264,7 @@ def test_a_fused_routing_decision_is_one_segment_exact_when_cached_and_close_to_
 
 def test_the_injection_check_equals_p_yes_of_its_prompt_evaluated_from_scratch(engine, model_path):
     """A fresh llama.cpp context with the engine's settings decodes the check's segments as the engine does."""
-    from semif.serving.engine import recompute_segments
+    from semif.serving.engine.context import recompute_segments
     from semif.tools.recompute import FreshContext, decode_record
 
     result = engine.score(TICKETS[1], [ROUTING], injection_check=True)
@@ -361,7 +361,7 @@ def test_system_one_and_openai_requests_carry_layout_and_injection_suspected(cli
 def test_a_server_default_of_options_first_falls_back_to_state_first_for_several_questions(engine, model_path):
     from starlette.testclient import TestClient
 
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
     from serving import make_settings
 
     app = create_app(make_settings(model_path, layout="options_first"), engine)
@@ -385,7 +385,7 @@ def test_layout_and_injection_check_settings_come_from_the_environment(model_pat
 
 
 def test_policy_max_injection_is_inclusive_and_fails_safe_without_a_check():
-    from semif.serving.policy import Policy, PolicyError, decide
+    from semif.serving.postprocess.policy import Policy, PolicyError, decide
 
     policy = Policy.from_mapping({"max_injection": 0.3, "fallback": "abstain"})
     assert decide([0.9, 0.1], policy, 0.3).action == "accept"

@@ -51,7 +51,7 @@ def answer_lines(response) -> list[dict]:
 @pytest.fixture
 def app_with(engine, model_path):
     """A separate app over the session-scoped engine, with settings of the test's choosing."""
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
 
     clients = []
 
@@ -144,7 +144,7 @@ class _DeadlineClock:
 
 
 def test_lines_not_reached_before_the_mini_batch_deadline_are_answered_with_errors(app_with, monkeypatch):
-    from semif.serving import jsonlines
+    from semif.serving.http import jsonlines
 
     client = app_with(batch_deadline_s=0.001)
     clock = _DeadlineClock()

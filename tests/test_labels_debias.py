@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from semif.serving.engine import combine_orders, softmax
-from semif.serving.plan import _tokenize_after, build_plan
-from semif.serving.prompt import EMPTY_THINK, Labels, LabelSet, Outcome, PromptTemplate, Question
+from semif.serving.engine.context import combine_orders, softmax
+from semif.serving.engine.plan import _tokenize_after, build_plan
+from semif.serving.engine.prompt import EMPTY_THINK, Labels, LabelSet, Outcome, PromptTemplate, Question
 from serving import embedded_model, gemma_model, start_cold
 
 DATA = Path(__file__).parent / "data"
@@ -340,7 +340,7 @@ def test_sequence_scoring_is_debiased_too(engine):
 
 
 def test_an_unknown_debias_mode_is_a_plan_error_naming_the_field(engine):
-    from semif.serving.plan import PlanError
+    from semif.serving.engine.plan import PlanError
 
     with pytest.raises(PlanError) as caught:
         engine.plan(STATE, [ROUTE], debias="sideways")
@@ -423,7 +423,7 @@ def test_semif_debias_setting_is_validated():
 
 
 def test_the_policy_checks_label_mass_only_where_there_is_one():
-    from semif.serving.policy import Policy, decide
+    from semif.serving.postprocess.policy import Policy, decide
 
     policy = Policy.from_mapping({"min_label_mass": 0.5})
     assert decide([0.9, 0.1], policy, label_mass=0.49).action == "review"

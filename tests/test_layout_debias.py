@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from semif.serving.engine import combine_orders, softmax
-from semif.serving.prompt import Outcome, Question
+from semif.serving.engine.context import combine_orders, softmax
+from semif.serving.engine.prompt import Outcome, Question
 from serving import start_cold
 
 # The given and reversed orders are compared with the same questions evaluated alone: the label memo,

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from semif.serving.engine import Engine, PlanError, softmax
-from semif.serving.native import NativeDecisionError, read_native_decision
-from semif.serving.prompt import Outcome, Question
+from semif.serving.engine.context import Engine, PlanError, softmax
+from semif.serving.engine.native import NativeDecisionError, read_native_decision
+from semif.serving.engine.prompt import Outcome, Question
 
 ROUTE = Question(
     "Which queue should handle this request?",
@@ -182,7 +182,7 @@ def test_a_native_model_refuses_sequence_scoring_and_options_it_has_no_token_for
 def test_the_semif_answer_names_the_models_own_template_version_and_temperature(jev_engine, model_path):
     from starlette.testclient import TestClient
 
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
     from serving import make_settings
 
     body = {"decision": {"id": "route", "state": STATE, "question": ROUTE.text,

@@ -16,7 +16,7 @@ import pytest
 from gguf import GGUFWriter, LlamaFileType
 from moto import mock_aws
 
-from semif.serving.manifest import MANIFEST_NAME, ManifestError, ModelManifest, load_manifest, verify_model_file
+from semif.serving.engine.manifest import MANIFEST_NAME, ManifestError, ModelManifest, load_manifest, verify_model_file
 from semif.tools.package_model import (
     EXIT_EXISTS,
     EXIT_FAILED,

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from semif.serving.policy import Policy, PolicyError, decide, most_severe
+from semif.serving.postprocess.policy import Policy, PolicyError, decide, most_severe
 
 POLICY = Policy(min_probability=0.7, min_margin=0.2, fallback="escalate")
 

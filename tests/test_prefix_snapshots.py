@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from semif.serving.config import Settings, SettingsError
-from semif.serving.engine import PREFIX_SNAPSHOT_MIN_TOKENS, Engine
-from semif.serving.prompt import Outcome, Question
+from semif.serving.engine.context import PREFIX_SNAPSHOT_MIN_TOKENS, Engine
+from semif.serving.engine.prompt import Outcome, Question
 
 ROUTE = Question(
     "Which team should take this ticket?",

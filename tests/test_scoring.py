@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from semif.serving.engine import LabelError, PromptTooLong, softmax
-from semif.serving.prompt import Outcome, Question, render_state_block
+from semif.serving.engine.context import LabelError, PromptTooLong, softmax
+from semif.serving.engine.prompt import Outcome, Question, render_state_block
 from serving import start_cold
 
 ROUTE = Question(
@@ -273,7 +273,7 @@ def test_a_long_option_list_is_blamed_on_its_question_and_a_long_state_on_the_st
 
 
 def test_a_request_over_the_token_budget_is_refused_before_evaluation(engine):
-    from semif.serving.engine import TokenBudgetExceeded
+    from semif.serving.engine.context import TokenBudgetExceeded
 
     plan = engine.plan(STATE, [ROUTE] * 3)
     with pytest.raises(TokenBudgetExceeded) as info:
@@ -283,7 +283,7 @@ def test_a_request_over_the_token_budget_is_refused_before_evaluation(engine):
 
 
 def test_cancel_stops_between_questions_and_leaves_the_context_consistent(engine, memo_off):
-    from semif.serving.engine import Cancelled
+    from semif.serving.engine.context import Cancelled
 
     start_cold(engine)
     asked = []
@@ -337,7 +337,7 @@ def test_engine_asks_llama_cpp_for_the_full_sliding_window_cache_explicitly(engi
 
 
 def test_default_context_is_the_models_training_context_capped_at_8192(engine, model_path):
-    from semif.serving.engine import DEFAULT_N_CTX_CAP, default_n_ctx
+    from semif.serving.engine.context import DEFAULT_N_CTX_CAP, default_n_ctx
 
     metadata = engine.llm.metadata  # the GGUF header as llama-cpp-python reads it
     trained = int(metadata[f"{metadata['general.architecture']}.context_length"])
@@ -367,7 +367,7 @@ def _fence_by_trying_each_tag(text: str) -> str:
     ],
 )
 def test_the_fence_tag_is_the_first_tag_absent_from_the_state(text):
-    from semif.serving.prompt import _fence_tag
+    from semif.serving.engine.prompt import _fence_tag
 
     assert _fence_tag(text) == _fence_by_trying_each_tag(text)
 
@@ -375,7 +375,7 @@ def test_the_fence_tag_is_the_first_tag_absent_from_the_state(text):
 def test_the_fence_search_is_one_pass_over_a_state_stuffed_with_tags():
     import time
 
-    from semif.serving.prompt import _fence_tag
+    from semif.serving.engine.prompt import _fence_tag
 
     parts, size, n = ["<state>"], 7, 1
     while size < 1 << 20:  # 1 MiB of tags: <state>, <state-1>, <state-2>, …

@@ -259,7 +259,7 @@ def test_auth_off_ignores_an_authorization_header(client):
 def keyed_client(engine, model_path):
     from starlette.testclient import TestClient
 
-    from semif.serving.app import create_app
+    from semif.serving.http.app import create_app
 
     with TestClient(create_app(make_settings(model_path, api_key="s3cret"), engine)) as test_client:
         yield test_client

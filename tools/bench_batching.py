@@ -123,9 +123,9 @@ def throughput(args) -> list[dict]:
 
 
 def drift(model: Path, args) -> dict:
-    from semif.serving.batching import execute_batch
-    from semif.serving.engine import Engine
-    from semif.serving.prompt import Outcome, Question
+    from semif.serving.engine.batching import execute_batch
+    from semif.serving.engine.context import Engine
+    from semif.serving.engine.prompt import Outcome, Question
 
     engine = Engine(model, n_ctx=args.n_ctx, n_threads=args.threads, label_memo=False, n_seq=args.n_seq)
     try:

@@ -64,9 +64,9 @@ sys.path.insert(0, sys.argv[1])
 from semif.serving.contracts import openai_decisions, semif as semif_contract, systemone
 from semif.serving.contracts.base import Limits, RequestError
 try:
-    from semif.serving.body import parse_json
-except ImportError:  # a checkout from before semif/serving/body.py
-    from semif.serving.app import parse_json
+    from semif.serving.http.body import parse_json
+except ImportError:  # a checkout from before semif/serving/http/body.py
+    from semif.serving.http.app import parse_json
 
 def admit(raw):
     try:

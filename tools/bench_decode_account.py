@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_llama_server import DEFAULT_CASES, DEFAULT_SERVER, N_BATCH, N_CTX, LlamaServer, unique_state_words  # noqa: E402
 from semif.serving.config import embedded_model_path  # noqa: E402
-from semif.serving.engine import Engine  # noqa: E402
-from semif.serving.prompt import Outcome, Question  # noqa: E402
+from semif.serving.engine.context import Engine  # noqa: E402
+from semif.serving.engine.prompt import Outcome, Question  # noqa: E402
 
 
 class TimedDecode:

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Fence-tag search on a 1 MiB state stuffed with <state-N> tags: the old one-tag-at-a-time search
-(kept here for the comparison) vs the linear one in semif/serving/prompt.py.
+(kept here for the comparison) vs the linear one in semif/serving/engine/prompt.py.
 
 usage: .venv/bin/python tools/bench_fence.py      (figures in docs/benchmarks.md)
 """
 import itertools
 import time
 
-from semif.serving.prompt import _fence_tag as linear
+from semif.serving.engine.prompt import _fence_tag as linear
 
 
 def old(state_text):

@@ -148,7 +148,7 @@ def main() -> int:
 
     sys.path.insert(0, str(REPO / "container"))
     from semif.serving.config import embedded_model_path
-    from semif.serving.prompt import SYSTEM_TEXT
+    from semif.serving.engine.prompt import SYSTEM_TEXT
 
     if not args.server.is_file():
         raise SystemExit(f"no llama-server at {args.server}: run `make llama-server` first")

@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO / "container"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from semif.serving.config import embedded_model_path  # noqa: E402
-from semif.serving.engine import Engine  # noqa: E402
-from semif.serving.prompt import Outcome, Question  # noqa: E402
+from semif.serving.engine.context import Engine  # noqa: E402
+from semif.serving.engine.prompt import Outcome, Question  # noqa: E402
 
 TEAMS = [
     ("network", "Wi-Fi, VPN, proxy and internet connectivity problems."),

@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "container"))
 
 from semif.serving.config import embedded_model_path  # noqa: E402
-from semif.serving.engine import Engine  # noqa: E402
-from semif.serving.prompt import Outcome, Question  # noqa: E402
+from semif.serving.engine.context import Engine  # noqa: E402
+from semif.serving.engine.prompt import Outcome, Question  # noqa: E402
 
 # (name, language, text): {option} is the injected option's id.
 ATTACKS = [

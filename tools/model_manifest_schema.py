@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the model manifest's JSON Schema, generated from the adapter's pydantic model, into the model check's asset.
 
-    .venv/bin/python tools/model_manifest_schema.py     # after changing container/semif/serving/manifest.py
+    .venv/bin/python tools/model_manifest_schema.py     # after changing container/semif/serving/engine/manifest.py
 
 The deploy-time model check (lambda/model_check/) runs on the bare Lambda runtime, which has no pydantic: it
 validates manifests against this generated schema instead of a second hand-written copy of it.
@@ -20,7 +20,7 @@ SCHEMA_PATH = REPO / "lambda" / "model_check" / "manifest_schema.json"
 
 def manifest_schema_text() -> str:
     sys.path.insert(0, str(REPO / "container"))
-    from semif.serving.manifest import ModelManifest
+    from semif.serving.engine.manifest import ModelManifest
 
     return json.dumps(ModelManifest.model_json_schema(), indent=1, sort_keys=True) + "\n"
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from semif.serving.engine import Engine
-from semif.serving.prompt import Outcome, Question
+from semif.serving.engine.context import Engine
+from semif.serving.engine.prompt import Outcome, Question
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = [REPO / "data" / "decisions-sample.jsonl", REPO / "data" / "heldout-decisions.jsonl"]

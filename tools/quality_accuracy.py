@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from semif.serving import prompt as P
-from semif.serving.engine import Engine
+from semif.serving.engine.context import prompt as P
+from semif.serving.engine.context import Engine
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 DEFAULT_FILES = [DATA / "decisions-sample.jsonl", DATA / "heldout-decisions.jsonl"]

@@ -1,7 +1,7 @@
 """CloudFormation custom resource: the model an endpoint serves is in S3 before its SageMaker Model is created.
 
 On Create and Update it reads ``model-manifest.json`` under the model prefix, validates it against the
-adapter's manifest schema (``manifest_schema.json``, generated from ``semif.serving.manifest``), and checks with
+adapter's manifest schema (``manifest_schema.json``, generated from ``semif.serving.engine.manifest``), and checks with
 HeadObject that the object the manifest names exists with the manifest's size and, when S3 reports one, the
 S3 SHA-256 checksum ``semif-package-model upload`` recorded. With ``TransformTarball`` (the decision stack, whose
 Batch Transform Model reads a ``model.tar.gz``), an uncompressed model's tarball beside the prefix

@@ -18,7 +18,7 @@ import pytest
 from gguf import GGUFWriter, LlamaFileType
 from moto import mock_aws
 
-from semif.serving.manifest import ModelManifest
+from semif.serving.engine.manifest import ModelManifest
 from semif.tools.package_model import EXIT_OK, main
 
 REPO = Path(__file__).resolve().parents[2]

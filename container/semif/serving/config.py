@@ -100,7 +100,7 @@ class Settings:
     max_questions: int = 400
     max_body_bytes: int = 1 << 20
     # Bodies being read or parsed at once may hold this many bytes in all (None: 4 × max_body_bytes);
-    # past it, 503 with Retry-After before more is read (semif/serving/body.py).
+    # past it, 503 with Retry-After before more is read (semif/serving/http/body.py).
     body_budget_bytes: Optional[int] = None
     max_json_values: int = 131072  # values (scalars and containers) in one JSON body or JSON Lines record
     # Characters of JSON text that the objects and arrays of one request may render to (states, instructions,
@@ -116,7 +116,7 @@ class Settings:
     image_digest: Optional[str] = None
     log_level: str = "INFO"
     require_gpu: bool = False
-    # JSON Lines mini-batches (SageMaker Batch Transform; semif/serving/jsonlines.py). The deadline stays
+    # JSON Lines mini-batches (SageMaker Batch Transform; semif/serving/http/jsonlines.py). The deadline stays
     # below the 3600 s invocation timeout semif-batch sets; 0 tokens = no budget beyond the context.
     batch_deadline_s: float = 3300.0
     batch_max_request_tokens: int = 0
@@ -128,7 +128,7 @@ class Settings:
     injection_check: bool = False
     # Order debiasing by default (a request's `debias` overrides it): see docs/explanation/scoring.md, "Option order debiasing".
     debias: str = "none"
-    # Several sequences per decode (semif/serving/batching.py): off by default, so that an answer never
+    # Several sequences per decode (semif/serving/engine/batching.py): off by default, so that an answer never
     # depends on the batch it was computed in. n_seq is read only when batching is on.
     batching: bool = False
     n_seq: int = 4

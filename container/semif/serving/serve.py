@@ -8,9 +8,9 @@ import sys
 import time
 
 from .. import __version__
-from .calibration import CalibrationError
+from .postprocess.calibration import CalibrationError
 from .config import Settings, SettingsError
-from .manifest import ManifestError, sha256_file, verify_model_file
+from .engine.manifest import ManifestError, sha256_file, verify_model_file
 
 log = logging.getLogger("semif.serve")
 
@@ -21,15 +21,15 @@ class GpuUnavailable(RuntimeError):
 
 def build_app(settings: Settings):
     """Verify the model against its manifest, load it, and return the ASGI app. Raises on bad setup."""
-    from .app import create_app
-    from .engine import Engine
+    from .http.app import create_app
+    from .engine.context import Engine
 
     started = time.perf_counter()
     digest = sha256_file(settings.model_path)
     manifest = verify_model_file(settings.model_path, sha256=digest)
     calibration = None
     if settings.calibration_path is not None:  # checked before the model loads: a wrong file fails fast
-        from .calibration import Calibration
+        from .postprocess.calibration import Calibration
 
         calibration = Calibration.load(settings.calibration_path, model_sha256=digest)
     engine = Engine(
@@ -79,7 +79,7 @@ def build_app(settings: Settings):
     app = create_app(settings, engine)
     if calibration is not None:
         app.state.service.decision_postprocessor.configure(calibration)
-        from .calibration import FitKind
+        from .postprocess.calibration import FitKind
 
         defaults = FitKind(engine.default_scoring, settings.layout, settings.debias)
         log.info("calibration loaded", extra={"calibration_version": calibration.version, "path": str(settings.calibration_path),

@@ -8,7 +8,7 @@
 
 Each input line is one request of any decision contract (SemIf, System One, OpenAI Decisions); each output
 line answers the input line at the same position, or is that contract's error object. `run` and `local`
-send the same mini-batches to the same `/invocations` JSON Lines path (semif/serving/jsonlines.py).
+send the same mini-batches to the same `/invocations` JSON Lines path (semif/serving/http/jsonlines.py).
 See docs/how-to/batch-transform.md.
 """
 
@@ -421,9 +421,9 @@ class LocalAdapter:
     def in_process(cls, model_path: Optional[str] = None, *, env: Optional[dict] = None) -> "LocalAdapter":
         from starlette.testclient import TestClient
 
-        from ..serving.app import create_app
+        from ..serving.http.app import create_app
         from ..serving.config import Settings
-        from ..serving.engine import Engine
+        from ..serving.engine.context import Engine
 
         environment = dict(os.environ if env is None else env)
         if model_path:

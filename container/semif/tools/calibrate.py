@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
-from ..serving.calibration import Case, FitKind, build_file, cross_validate, fit_temperatures
+from ..serving.postprocess.calibration import Case, FitKind, build_file, cross_validate, fit_temperatures
 from .evaluate import (
     _fmt,
     add_target_arguments,
@@ -34,9 +34,9 @@ from .evaluate import (
     parse_scorings,
     prior_key,
 )
-from ..serving.plan import DEBIAS_MODES
-from ..serving.policy import Policy
-from ..serving.prompt import LAYOUTS, OPTIONS_FIRST_SUFFIX, options_sha256
+from ..serving.engine.plan import DEBIAS_MODES
+from ..serving.postprocess.policy import Policy
+from ..serving.engine.prompt import LAYOUTS, OPTIONS_FIRST_SUFFIX, options_sha256
 
 
 def fit_kind(target, rows: list[dict], kind: FitKind, *, folds: int, seed: int, min_per_decision: int, contextual: str,

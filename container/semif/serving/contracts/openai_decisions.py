@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from ..engine import Distribution, ScoreResult
-from ..prompt import Outcome, Question, options_sha256
+from ..engine.context import Distribution, ScoreResult
+from ..engine.prompt import Outcome, Question, options_sha256
 from .base import DEBIAS_VALUES, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt
 
 NAME = "openai_decisions"

@@ -10,9 +10,9 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..engine import ScoreResult
-from ..prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
-from ..policy import Policy, PolicyError
+from ..engine.context import ScoreResult
+from ..engine.prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
+from ..postprocess.policy import Policy, PolicyError
 from .base import Job, Limits, RequestError, RunContext, excerpt, first_validation_error, resolve_layout
 
 NAME = "semif"
@@ -53,7 +53,7 @@ class DecisionQuestion(_Strict):
 
 
 class AbstentionPolicy(_Strict):
-    """`{"min_probability", "min_margin", "fallback"}`: see semif/serving/policy.py."""
+    """`{"min_probability", "min_margin", "fallback"}`: see semif/serving/postprocess/policy.py."""
 
     min_probability: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     min_margin: Optional[float] = Field(default=None, ge=0.0, le=1.0)
@@ -201,7 +201,7 @@ def parse(body: Any, limits: Limits) -> Job:
                     "model": _model_record(run, dist.scoring),
                 }
             )
-            # Set by the HTTP layer's postprocessor (semif/serving/policy.py) when a calibration or policy applies.
+            # Set by the HTTP layer's postprocessor (semif/serving/postprocess/policy.py) when a calibration or policy applies.
             if getattr(dist, "calibration", None) is not None:
                 results[-1]["calibration"] = dist.calibration
             if getattr(dist, "action", None) is not None:
@@ -247,7 +247,7 @@ def parse(body: Any, limits: Limits) -> Job:
             Policy.from_mapping(policy)
         except PolicyError as exc:
             raise RequestError(422, "invalid_request", f"{exc.field}: {exc}", exc.field) from None
-        job.policy = policy  # read by semif/serving/policy.py's postprocessor
+        job.policy = policy  # read by semif/serving/postprocess/policy.py's postprocessor
     return job
 
 

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine import Distribution, ScoreResult
-from ..prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
+from ..engine.context import Distribution, ScoreResult
+from ..engine.prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
 from .base import MAX_ECHO, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt
 
 NAME = "systemone"

@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .plan import DEBIAS_MODES
-from .prompt import DEFAULT_LAYOUT, LAYOUTS
+from ..engine.plan import DEBIAS_MODES
+from ..engine.prompt import DEFAULT_LAYOUT, LAYOUTS
 
 FORMAT = "semif-calibration"
 FORMAT_VERSION = 2

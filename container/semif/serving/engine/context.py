@@ -27,6 +27,7 @@ from .manifest import sha256_file
 from .native import NativeDecision, ScoringUnsupported, build_native_plan, read_native_decision
 from .plan import DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, TokenBudgetExceeded, build_plan
 from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
+from .results import Cancelled, Distribution, ScoreResult, softmax
 
 __all__ = ["Cancelled", "Distribution", "Engine", "EngineError", "LabelError", "PlanError", "PromptPlan",
            "PromptTooLong", "ScoreResult", "TokenBudgetExceeded", "softmax"]
@@ -41,75 +42,6 @@ DEFAULT_PREFIX_CACHE_MB = 256  # SEMIF_PREFIX_CACHE_MB: RAM for KV snapshots of 
 # the whole prefix's KV (tens of KB per token) and the extra llama.cpp calls cost about what they save.
 PREFIX_SNAPSHOT_MIN_TOKENS = 32
 PREFIX_SEEN_SIZE = 4096  # prefix boundaries whose request count is remembered (a hash and a count each)
-
-
-class Cancelled(EngineError):
-    """The caller's ``cancel`` hook said stop (deadline passed, client gone). Raised between
-    questions: the context and its bookkeeping stay consistent and keep what was evaluated."""
-
-    code = "cancelled"
-
-    def __init__(self, done: int, total: int):
-        super().__init__(f"stopped after {done} of {total} questions")
-        self.done = done
-        self.total = total
-
-
-@dataclass
-class Distribution:
-    """One question's answer: a distribution over its outcomes, in the order they were given."""
-
-    option_logits: list[float]
-    probabilities: list[float]
-    tokens: int  # prompt tokens of this question (state prefix + question)
-    cached_tokens: int  # of those, reused from the context without evaluation
-    evaluated_tokens: int  # tokens actually run through the model for this question
-    scoring: str
-    label_token_ids: Optional[list[int]] = None
-    labels: Optional[list[str]] = None
-    prompt_text: Optional[str] = None
-    compute_ms: float = 0.0
-    # p(yes) of the request's injection check (the same value on every answer of the request), or None.
-    injection_suspected: Optional[float] = None
-    # Label scoring: the share of the whole next-token distribution that falls on the option labels
-    # (all their variants). Low mass: the model wanted to write something else (an abstention signal).
-    label_mass: Optional[float] = None
-    # Every token scored per label (label_token_ids holds the first of each).
-    label_variant_ids: Optional[list[list[int]]] = None
-    debias: str = "none"
-    # With debias "reverse": each order's own answer, outcomes in the given order
-    # ({"given": {...}, "reversed": {...}}, each with probabilities, option_logits, label_mass).
-    orders: Optional[dict] = None
-    # Sequence scoring: each option's token log-probabilities (its last token is the end-of-turn token).
-    answer_token_logprobs: Optional[list[list[float]]] = None
-    temperature: Optional[float] = None  # a native decision model's: probabilities = softmax(logits / T)
-    # With return_prompt: what a fresh llama.cpp context must decode to reproduce option_logits exactly
-    # (the segments as decoded, the logits positions, the numerics settings): docs/adapter.md, "Recomputing
-    # an answer". None on the batched path, whose answers depend on the other questions in the batch.
-    recompute: Optional[dict] = None
-
-
-@dataclass
-class ScoreResult:
-    distributions: list[Distribution]
-    state_tokens: int
-    input_tokens: int  # distinct prompt tokens of the request: state prefix once + every question suffix
-    # Of input_tokens, those this request never evaluated: state-prefix tokens the context held from
-    # earlier requests, plus whole prompts answered from remembered label logits.
-    cached_tokens: int
-    evaluated_tokens: int  # tokens run through the model (a re-evaluated token counts each time)
-    compute_ms: float
-    state_cached_tokens: int = 0  # of the state prefix, tokens reused from earlier requests
-    template_version: str = TEMPLATE_VERSION  # what the plan ran: names the layout (e.g. "+options-first")
-    layout: str = "state_first"
-    injection_suspected: Optional[float] = None  # p(yes) of the injection check, when the plan had one
-    batch_requests: int = 1  # requests that shared a decode with this one, itself included (batching.py)
-
-
-def softmax(logits: Sequence[float]) -> list[float]:
-    values = np.asarray(logits, dtype=np.float64)
-    values = np.exp(values - values.max())
-    return (values / values.sum()).tolist()
 
 
 def _token_logprobs(rows: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
@@ -369,7 +301,7 @@ class Engine:
         self.template.detect_plain_markers(self._tokenize)
         normalise_for_fence("\u00e9")  # builds the format-character table now, not in the first request
         self.end_of_turn_token = self._end_of_turn_token()
-        # A GGUF made for decisions brings its own template, labels and temperatures (semif/serving/native.py).
+        # A GGUF made for decisions brings its own template, labels and temperatures (semif/serving/engine/native.py).
         self.native: Optional[NativeDecision] = read_native_decision(
             metadata, lambda text, special, add_bos=False: self._tokenize(text, special=special, add_bos=add_bos),
             n_vocab=self.n_vocab,

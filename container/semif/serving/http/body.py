@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from starlette.requests import Request
 
-from .contracts.base import RequestError, excerpt, pydantic_field
+from ..contracts.base import RequestError, excerpt, pydantic_field
 
 MAX_JSON_DEPTH = 100  # deeper bodies are refused: json.dumps(indent=…) of a state recurses per level
 DEFAULT_MAX_JSON_VALUES = 131072  # SEMIF_MAX_JSON_VALUES: twice the default token budget

@@ -4,7 +4,6 @@ Knows nothing of llama.cpp; talks to the engine through contracts."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -19,42 +18,21 @@ from starlette.routing import Route
 from . import chat, jsonlines
 from .admission import Abandoned, Admission, Cancellation, Overloaded
 from .auth import BearerAuth
+from .disconnect import watching
+from .headers import SAGEMAKER_ATTRIBUTES, custom_attribute
 from .body import MAX_JSON_DEPTH, BodyBudget, BodyBudgetExceeded, read_json  # noqa: F401 (MAX_JSON_DEPTH: re-exported)
-from .config import Settings
-from .contracts import semif as semif_contract
-from .contracts import openai_decisions, systemone
-from .contracts.base import Job, Limits, RequestError, RunContext, excerpt, resolve_layout
-from .engine import Cancelled, EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
-from .logs import state_digest_fields
-from .policy import DecisionPostprocessor, log_fields as policy_log_fields, min_label_mass, needs_injection_check
+from ..config import Settings
+from ..contracts import semif as semif_contract
+from ..contracts import openai_decisions, systemone
+from ..contracts.base import Job, Limits, RequestError, RunContext, excerpt, resolve_layout
+from ..engine.context import Cancelled, EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
+from ..logs import state_digest_fields
+from ..postprocess.policy import log_fields as policy_log_fields, min_label_mass, needs_injection_check
+from ..postprocess.postprocessor import DecisionPostprocessor
 
 log = logging.getLogger("semif.http")
 
-SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
 BODY_TIMEOUT_S = 30.0
-
-
-DISCONNECT_POLL_S = 0.05  # how often a computing request checks that its client is still there
-
-
-async def _watch_disconnect(request: Request, cancel: Cancellation) -> None:
-    """Polls from the event loop; a waiting request leaves the queue when the client goes, and the
-    model thread reads ``cancel`` between questions and at every generated token."""
-    while not cancel.gone:
-        if await request.is_disconnected():
-            cancel.leave()
-            return
-        await asyncio.sleep(DISCONNECT_POLL_S)
-
-
-@contextlib.asynccontextmanager
-async def watching(request: Request, cancel: Cancellation):
-    """Watch for the client going away while the block runs (queue wait and computation)."""
-    watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
-    try:
-        yield cancel
-    finally:
-        watcher.cancel()
 
 
 class DecisionService:
@@ -80,7 +58,7 @@ class DecisionService:
         # admission limits. Off (the default), every request runs alone: answers never depend on traffic.
         self.batcher = None
         if settings.batching and getattr(engine, "n_seq", 1) > 1:
-            from .batching import BatchCollector
+            from .batch_collector import BatchCollector
 
             self.batcher = BatchCollector(self.admission, engine, n_seq=engine.n_seq)
 
@@ -142,7 +120,7 @@ class DecisionService:
         try:
             body = await self.read_body(request)
             if contract is None:
-                override = _custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
+                override = custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
                 contract = self.contract_for(body, override)
                 if contract is None:
                     raise RequestError(
@@ -265,7 +243,7 @@ class DecisionService:
     async def answer_record(self, body: Any, contract, *, request_id: str, cancel: Cancellation,
                             max_request_tokens: Optional[int] = None, deadline_s: Optional[float] = None,
                             ) -> tuple[int, dict, dict]:
-        """One record of a JSON Lines mini-batch (semif/serving/jsonlines.py), on the same path as a JSON request:
+        """One record of a JSON Lines mini-batch (semif/serving/http/jsonlines.py), on the same path as a JSON request:
         parse, plan off the model thread (fencing, tokens, length and budget checks), admission, execute with
         ``cancel`` checked between questions, render. Returns (status, the answer or the contract's error body,
         log fields). Overloaded propagates: the mini-batch as a whole is refused so that Batch Transform retries it;
@@ -362,15 +340,6 @@ def _min_margin(result) -> Optional[float]:
         if len(ranked) > 1:
             margins.append(ranked[0] - ranked[1])
     return round(min(margins), 6) if margins else None
-
-
-def _custom_attribute(header: str, key: str) -> Optional[str]:
-    """`CustomAttributes: contract=systemone;trace=1` → `systemone`."""
-    for part in header.replace(",", ";").split(";"):
-        name, _, value = part.strip().partition("=")
-        if name.strip().lower() == key and value.strip():
-            return value.strip().lower()
-    return None
 
 
 def create_app(settings: Settings, engine, *, extra_routes: Optional[list] = None, contracts: Optional[list] = None) -> Starlette:

@@ -102,7 +102,7 @@ class QuestionPlan:
     # so it has its own prefix (head, reversed options, state) instead of the plan's; None otherwise.
     own_prefix_pieces: Optional[tuple[Piece, ...]] = None
     own_prefix_segments: Optional[tuple[tuple[int, ...], ...]] = None
-    temperature: Optional[float] = None  # a native decision model's own (semif/serving/native.py); None: 1
+    temperature: Optional[float] = None  # a native decision model's own (semif/serving/engine/native.py); None: 1
 
     @property
     def suffix_tokens(self) -> list[int]:

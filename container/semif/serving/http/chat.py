@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .contracts.base import RequestError, first_validation_error
+from ..contracts.base import RequestError, first_validation_error
 
 NAME = "chat"
 log = logging.getLogger("semif.http")
@@ -298,7 +298,7 @@ async def handle(service, request, body: Any = None) -> Any:
     from starlette.responses import JSONResponse, Response, StreamingResponse
 
     from .admission import Abandoned, Cancellation, Overloaded
-    from .app import watching
+    from .disconnect import watching
 
     started = time.perf_counter()
     request_id = request.headers.get("x-request-id") or request.headers.get("x-amzn-requestid") or uuid.uuid4().hex
@@ -427,7 +427,7 @@ async def handle(service, request, body: Any = None) -> Any:
             headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
         )
     except RequestError as error:
-        if error.status == 503:  # the body budget (semif/serving/body.py): retryable, like a full queue
+        if error.status == 503:  # the body budget (semif/serving/http/body.py): retryable, like a full queue
             return error_response(error, {"retry-after": str(service.settings.retry_after_s)})
         return error_response(error, {"connection": "close"} if error.status == 408 else None)
     except Overloaded as error:

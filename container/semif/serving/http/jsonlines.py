@@ -30,9 +30,9 @@ from starlette.responses import JSONResponse, Response
 from . import chat
 from .admission import Cancellation, Overloaded
 from .body import DEFAULT_MAX_JSON_VALUES, parse_json, read_bytes
-from .contracts import semif as semif_contract
-from .contracts.base import RequestError
-from .engine import EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
+from ..contracts import semif as semif_contract
+from ..contracts.base import RequestError
+from ..engine.context import EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
 
 log = logging.getLogger("semif.http")
 
@@ -213,14 +213,15 @@ async def handle(service, request: Request) -> Response:
     status = 200
     try:
         limit = max_payload_mb(settings) * MIB
-        from .app import SAGEMAKER_ATTRIBUTES, _custom_attribute, watching  # as for a JSON request
+        from .disconnect import watching
+        from .headers import SAGEMAKER_ATTRIBUTES, custom_attribute  # as for a JSON request
 
         # The mini-batch counts against the body budget while it is read, as a JSON body does.
         with service.body_budget.reservation() as reservation:
             raw = await asyncio.wait_for(read_bytes(request, limit, what="mini-batch", reservation=reservation),
                                          service.body_timeout_s)
 
-        override = _custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
+        override = custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
         lines = split_lines(raw)
         del raw
         fields["records"] = len(lines)

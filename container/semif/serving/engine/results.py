@@ -1,0 +1,82 @@
+"""What the engine answers: one distribution per question, the request's result, and the stop signal.
+
+Shared by the serial path (context.py) and the batched one (batching.py), and read by the contracts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .plan import EngineError
+from .prompt import TEMPLATE_VERSION
+
+
+class Cancelled(EngineError):
+    """The caller's ``cancel`` hook said stop (deadline passed, client gone). Raised between
+    questions: the context and its bookkeeping stay consistent and keep what was evaluated."""
+
+    code = "cancelled"
+
+    def __init__(self, done: int, total: int):
+        super().__init__(f"stopped after {done} of {total} questions")
+        self.done = done
+        self.total = total
+
+
+@dataclass
+class Distribution:
+    """One question's answer: a distribution over its outcomes, in the order they were given."""
+
+    option_logits: list[float]
+    probabilities: list[float]
+    tokens: int  # prompt tokens of this question (state prefix + question)
+    cached_tokens: int  # of those, reused from the context without evaluation
+    evaluated_tokens: int  # tokens actually run through the model for this question
+    scoring: str
+    label_token_ids: Optional[list[int]] = None
+    labels: Optional[list[str]] = None
+    prompt_text: Optional[str] = None
+    compute_ms: float = 0.0
+    # p(yes) of the request's injection check (the same value on every answer of the request), or None.
+    injection_suspected: Optional[float] = None
+    # Label scoring: the share of the whole next-token distribution that falls on the option labels
+    # (all their variants). Low mass: the model wanted to write something else (an abstention signal).
+    label_mass: Optional[float] = None
+    # Every token scored per label (label_token_ids holds the first of each).
+    label_variant_ids: Optional[list[list[int]]] = None
+    debias: str = "none"
+    # With debias "reverse": each order's own answer, outcomes in the given order
+    # ({"given": {...}, "reversed": {...}}, each with probabilities, option_logits, label_mass).
+    orders: Optional[dict] = None
+    # Sequence scoring: each option's token log-probabilities (its last token is the end-of-turn token).
+    answer_token_logprobs: Optional[list[list[float]]] = None
+    temperature: Optional[float] = None  # a native decision model's: probabilities = softmax(logits / T)
+    # With return_prompt: what a fresh llama.cpp context must decode to reproduce option_logits exactly
+    # (the segments as decoded, the logits positions, the numerics settings): docs/adapter.md, "Recomputing
+    # an answer". None on the batched path, whose answers depend on the other questions in the batch.
+    recompute: Optional[dict] = None
+
+
+@dataclass
+class ScoreResult:
+    distributions: list[Distribution]
+    state_tokens: int
+    input_tokens: int  # distinct prompt tokens of the request: state prefix once + every question suffix
+    # Of input_tokens, those this request never evaluated: state-prefix tokens the context held from
+    # earlier requests, plus whole prompts answered from remembered label logits.
+    cached_tokens: int
+    evaluated_tokens: int  # tokens run through the model (a re-evaluated token counts each time)
+    compute_ms: float
+    state_cached_tokens: int = 0  # of the state prefix, tokens reused from earlier requests
+    template_version: str = TEMPLATE_VERSION  # what the plan ran: names the layout (e.g. "+options-first")
+    layout: str = "state_first"
+    injection_suspected: Optional[float] = None  # p(yes) of the injection check, when the plan had one
+    batch_requests: int = 1  # requests that shared a decode with this one, itself included (batching.py)
+
+
+def softmax(logits: Sequence[float]) -> list[float]:
+    values = np.asarray(logits, dtype=np.float64)
+    values = np.exp(values - values.max())
+    return (values / values.sum()).tolist()
