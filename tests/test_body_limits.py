@@ -318,9 +318,9 @@ def test_bodies_past_the_byte_budget_get_503_with_retry_after_until_the_budget_i
         head = (f"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(padded)}\r\nConnection: close\r\n\r\n").encode()
         slow = socket.create_connection(("127.0.0.1", proc.port), timeout=30)
-        slow.sendall(head + padded[:1000])  # 60,000 bytes declared, reserved before they arrive
+        slow.sendall(head + padded[:59_000])  # 59,000 bytes in flight, the last 1,000 held back
         time.sleep(0.5)
-        second = body + b" " * (10_000 - len(body))  # 60,000 + 10,000 > 65,536
+        second = body + b" " * (10_000 - len(body))  # 59,000 + 10,000 > 65,536
         refused = httpx.post(proc.base_url + "/invocations", content=second, timeout=30.0,
                              headers={"content-type": "application/json"})
         assert refused.status_code == 503, refused.text
@@ -328,7 +328,7 @@ def test_bodies_past_the_byte_budget_get_503_with_retry_after_until_the_budget_i
         assert refused.json()["error"]["code"] == "overloaded"
         assert "SEMIF_BODY_BUDGET_BYTES" in refused.json()["error"]["message"]
         assert httpx.get(proc.base_url + "/ping", timeout=5.0).status_code == 200
-        slow.sendall(padded[1000:])
+        slow.sendall(padded[59_000:])
         answer = b""
         while chunk := slow.recv(65536):
             answer += chunk
@@ -340,6 +340,30 @@ def test_bodies_past_the_byte_budget_get_503_with_retry_after_until_the_budget_i
                                headers={"content-type": "application/json"})
             assert again.status_code == 200, again.text
     finally:
+        proc.stop()
+
+
+@pytest.mark.reliability
+def test_sockets_that_declare_bodies_and_send_nothing_hold_no_budget(tmp_path):
+    # Four sockets each declare a body at the limit (together the whole budget) and send one byte:
+    # only the bytes that arrived count, so a decision posted meanwhile is read and answered.
+    proc = _serve(tmp_path, SEMIF_MAX_BODY_BYTES=MIB, SEMIF_BODY_BUDGET_BYTES=4 * MIB)
+    idle = []
+    try:
+        head = (f"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {MIB}\r\n\r\n{{").encode()
+        for _ in range(4):
+            sock = socket.create_connection(("127.0.0.1", proc.port), timeout=30)
+            sock.sendall(head)
+            idle.append(sock)
+        time.sleep(0.5)
+        for _ in range(2):
+            answer = httpx.post(proc.base_url + "/invocations", json=DECISION, timeout=60.0)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choice"] in ("billing", "shipping")
+    finally:
+        for sock in idle:
+            sock.close()
         proc.stop()
 
 
