@@ -204,7 +204,10 @@ def test_json_lines_records_are_parsed_in_bounded_chunks():
     lines = [b'{"a": %d}' % i for i in range(100)] + [b"{bad", b'{"a": "\\ud800"}']
     chunk = parse_chunk(lines, 0, chunk_bytes=64)
     assert [body for body, _ in chunk] == [{"a": i} for i in range(len(chunk))]
-    assert sum(len(line) for line in lines[:len(chunk)]) <= 64 < sum(len(line) for line in lines[:len(chunk) + 1])
+    weighed = [len(line) + 1 for line in lines]  # a line weighs its newline too
+    assert sum(weighed[:len(chunk)]) <= 64 < sum(weighed[:len(chunk) + 1])
+    empties = parse_chunk([b""] * 1000, 0, chunk_bytes=64)  # empty lines are chunked, not taken whole
+    assert len(empties) == 64 and {error.code for _, error in empties} == {"invalid_json"}
     rest = parse_chunk(lines, 100, chunk_bytes=1 << 20)
     assert [error.code for _, error in rest] == ["invalid_json", "invalid_unicode"]
     assert "line 102" in str(rest[1][1])
@@ -301,6 +304,49 @@ def test_hostile_json_lines_record_is_parsed_off_the_event_loop_and_its_neighbou
     assert first["error"]["code"] == "invalid_json" and "line 1" in first["error"]["message"]
     assert second["choice"] in ("billing", "shipping")
     assert not ping.failures and ping.worst < PING_BOUND_S, f"slowest /ping {ping.worst:.2f} s"
+
+
+@pytest.mark.reliability
+def test_a_mini_batch_of_empty_lines_at_the_limit_is_refused_413_while_ping_answers(server):
+    # A million empty lines: each would be a record with an error line of its own.
+    raw = b"\n" * MIB
+    with PingWatch(server.base_url) as ping:
+        started = time.perf_counter()
+        response = httpx.post(server.base_url + "/invocations", content=raw, timeout=120.0,
+                              headers={"content-type": "application/jsonlines"})
+        refused_s = time.perf_counter() - started
+    assert response.status_code == 413, response.text[:500]
+    error = response.json()["error"]
+    assert (error["code"], error["field"]) == ("too_many_records", "<body>") and "SEMIF_MAX_JSONL_RECORDS" in error["message"]
+    assert refused_s < 5.0 and len(response.content) < 1024
+    assert not ping.failures and len(ping.latencies) >= 3 and ping.worst < PING_BOUND_S, f"slowest /ping {ping.worst:.2f} s"
+    good = json.dumps(DECISION).encode() + b"\n"
+    after = httpx.post(server.base_url + "/invocations", content=good * 3, timeout=120.0,
+                       headers={"content-type": "application/jsonlines"})
+    assert after.status_code == 200, after.text[:500]
+    assert [json.loads(line)["choice"] in ("billing", "shipping") for line in after.text.splitlines()] == [True] * 3
+
+
+@pytest.mark.reliability
+def test_many_refused_lines_under_a_raised_record_cap_never_stall_ping(tmp_path):
+    # Under the cap every line is answered (an error line each): the loop must still turn between
+    # lines that never wait for the model, and the answer is serialised off the loop.
+    records = 200_000
+    proc = _serve(tmp_path, SEMIF_MAX_JSONL_RECORDS=records)
+    try:
+        good = json.dumps(DECISION).encode()
+        raw = b"\n" * (records - 1) + good + b"\n"
+        with PingWatch(proc.base_url) as ping:
+            response = httpx.post(proc.base_url + "/invocations", content=raw, timeout=300.0,
+                                  headers={"content-type": "application/jsonlines"})
+        assert response.status_code == 200, response.text[:500]
+        lines = response.text.splitlines()
+        assert len(lines) == records
+        assert json.loads(lines[0])["error"]["code"] == "invalid_json" and "line 1 " in json.loads(lines[0])["error"]["message"]
+        assert json.loads(lines[-1])["choice"] in ("billing", "shipping")
+        assert not ping.failures and len(ping.latencies) >= 3 and ping.worst < PING_BOUND_S, f"slowest /ping {ping.worst:.2f} s"
+    finally:
+        proc.stop()
 
 
 def _status_and_headers(answer: bytes) -> tuple[int, str]:

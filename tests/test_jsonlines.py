@@ -188,6 +188,22 @@ def test_a_mini_batch_over_the_payload_limit_is_413(app_with):
     assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
 
 
+def test_a_mini_batch_over_the_record_cap_is_413_naming_the_body_and_one_at_the_cap_is_answered(app_with):
+    client = app_with(max_jsonl_records=3)
+    lines = [semif_line(decision_id=f"q{i}") for i in range(4)]
+    refused = post_lines(client, lines)
+    assert refused.status_code == 413, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["field"]) == ("too_many_records", "<body>")
+    assert "4 records" in error["message"] and "SEMIF_MAX_JSONL_RECORDS" in error["message"]
+    # Empty lines are records too (each would get an error line), and a final newline adds none.
+    empty = client.post("/invocations", content=b"\n" * 4, headers=JSONL)
+    assert empty.status_code == 413 and empty.json()["error"]["code"] == "too_many_records"
+    answered = answer_lines(post_lines(client, lines[:3]))
+    assert [line["id"] for line in answered] == ["q0", "q1", "q2"]
+    assert all("choice" in line for line in answered)
+
+
 def test_json_requests_echo_an_optional_record_id_for_system_one_and_openai(client):
     assert client.post("/invocations", json=systemone_line("s1-42")).json()["id"] == "s1-42"
     assert client.post("/v1/decisions", json=openai_line("oa-42")).json()["id"] == "oa-42"
@@ -205,5 +221,9 @@ def test_batch_settings_come_from_their_own_variables(model_path):
     assert (Settings.from_env(env).batch_deadline_s, Settings.from_env(env).batch_max_request_tokens) == (3300.0, 0)
     tuned = Settings.from_env({**env, "SEMIF_BATCH_DEADLINE_S": "120", "SEMIF_BATCH_MAX_REQUEST_TOKENS": "8192"})
     assert (tuned.batch_deadline_s, tuned.batch_max_request_tokens) == (120.0, 8192)
+    assert Settings.from_env(env).max_jsonl_records == 10000
+    assert Settings.from_env({**env, "SEMIF_MAX_JSONL_RECORDS": "500"}).max_jsonl_records == 500
+    with pytest.raises(SettingsError, match="SEMIF_MAX_JSONL_RECORDS"):
+        Settings.from_env({**env, "SEMIF_MAX_JSONL_RECORDS": "0"})
     with pytest.raises(SettingsError, match="SEMIF_BATCH_DEADLINE_S"):
         Settings.from_env({**env, "SEMIF_BATCH_DEADLINE_S": "soon"})
