@@ -444,3 +444,56 @@ def test_generated_bodies_on_all_four_routes_never_get_a_5xx_and_the_server_stil
     assert all(n >= FUZZ_BODIES // 8 for n in counts.values()), counts
     print("fuzz statuses:", {p: {c: s.count(c) for c in sorted(set(s))} for p, s in statuses.items()})
     assert _post(client, GOOD).status_code == 200
+
+
+# Option ids hold no control characters and descriptions no U+001E/U+001F: the option-set hash
+# (options_sha256) separates ids and descriptions with those two, so two different option sets
+# could otherwise hash alike.
+def _semif_options(*options) -> dict:
+    return {"decision": {**GOOD["decision"], "options": list(options)}}
+
+
+def _systemone_choice(criteria) -> dict:
+    return {**SYSTEM_ONE, "questions": {"team": {"type": "choice", "instructions": "Which team?", "criteria": criteria}}}
+
+
+def _openai_choice(choices) -> dict:
+    return {**OPENAI, "questions": [{"type": "choice", "name": "team", "instructions": "Which team?", "choices": choices}]}
+
+
+def _openai_score(levels) -> dict:
+    return {**OPENAI, "questions": [{"type": "score", "name": "urgency", "instructions": "How urgent?", "levels": levels}]}
+
+
+@pytest.mark.parametrize(
+    "path, body, status, field",
+    [
+        ("/v1/semif", _semif_options({"id": "hardware"}, {"id": "net\x1fwork"}), 422, "decision.options[1].id"),
+        ("/v1/semif", _semif_options({"id": "hardware"}, {"id": "net\nwork"}), 422, "decision.options[1].id"),
+        ("/v1/semif", _semif_options({"id": "hardware"}, {"id": "net\x7f"}), 422, "decision.options[1].id"),
+        ("/v1/semif", _semif_options({"id": "hardware", "description": "printers\x1e"}, {"id": "network"}), 422,
+         "decision.options[0].description"),
+        ("/v1/systemone", _systemone_choice({"hardware": None, "net\x1ework": None}), 422, "questions.team.criteria.net\x1ework"),
+        ("/v1/systemone", _systemone_choice({"hardware": "printers\x1f", "network": None}), 422, "questions.team.criteria.hardware"),
+        ("/v1/systemone", {**SYSTEM_ONE, "questions": {"urgent": {"type": "score", "criteria": ["low", "hi\x1fgh"]}}}, 422,
+         "questions.urgent.criteria.1"),
+        ("/v1/decisions", _openai_choice([{"value": "hardware"}, {"value": "net\x00work"}]), 400, "questions[0].choices[1].value"),
+        ("/v1/decisions", _openai_choice([{"value": "hardware", "description": "a\x1fb"}, {"value": "network"}]), 400,
+         "questions[0].choices[0].description"),
+        ("/v1/decisions", _openai_score([{"label": "low"}, {"label": "hi\tgh"}]), 400, "questions[0].levels[1].label"),
+    ],
+    ids=["semif-id-separator", "semif-id-newline", "semif-id-del", "semif-description-separator",
+         "systemone-name-separator", "systemone-description-separator", "systemone-level-separator",
+         "openai-value-nul", "openai-description-separator", "openai-label-tab"],
+)
+def test_option_ids_with_control_characters_and_descriptions_with_hash_separators_are_refused(client, path, body, status, field):
+    response = _raw_post(client, path, json.dumps(body))
+    assert response.status_code == status, response.text
+    assert _field(path, response) == field
+
+
+def test_descriptions_may_hold_newlines_and_ids_without_control_characters_are_answered(client):
+    answer = client.post("/v1/semif", json=_semif_options({"id": "hardware", "description": "printers,\nscanners"},
+                                                         {"id": "network"}))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choice"] in ("hardware", "network")

@@ -204,7 +204,10 @@ def test_json_lines_records_are_parsed_in_bounded_chunks():
     lines = [b'{"a": %d}' % i for i in range(100)] + [b"{bad", b'{"a": "\\ud800"}']
     chunk = parse_chunk(lines, 0, chunk_bytes=64)
     assert [body for body, _ in chunk] == [{"a": i} for i in range(len(chunk))]
-    assert sum(len(line) for line in lines[:len(chunk)]) <= 64 < sum(len(line) for line in lines[:len(chunk) + 1])
+    weighed = [len(line) + 1 for line in lines]  # a line weighs its newline too
+    assert sum(weighed[:len(chunk)]) <= 64 < sum(weighed[:len(chunk) + 1])
+    empties = parse_chunk([b""] * 1000, 0, chunk_bytes=64)  # empty lines are chunked, not taken whole
+    assert len(empties) == 64 and {error.code for _, error in empties} == {"invalid_json"}
     rest = parse_chunk(lines, 100, chunk_bytes=1 << 20)
     assert [error.code for _, error in rest] == ["invalid_json", "invalid_unicode"]
     assert "line 102" in str(rest[1][1])
@@ -303,6 +306,49 @@ def test_hostile_json_lines_record_is_parsed_off_the_event_loop_and_its_neighbou
     assert not ping.failures and ping.worst < PING_BOUND_S, f"slowest /ping {ping.worst:.2f} s"
 
 
+@pytest.mark.reliability
+def test_a_mini_batch_of_empty_lines_at_the_limit_is_refused_413_while_ping_answers(server):
+    # A million empty lines: each would be a record with an error line of its own.
+    raw = b"\n" * MIB
+    with PingWatch(server.base_url) as ping:
+        started = time.perf_counter()
+        response = httpx.post(server.base_url + "/invocations", content=raw, timeout=120.0,
+                              headers={"content-type": "application/jsonlines"})
+        refused_s = time.perf_counter() - started
+    assert response.status_code == 413, response.text[:500]
+    error = response.json()["error"]
+    assert (error["code"], error["field"]) == ("too_many_records", "<body>") and "SEMIF_MAX_JSONL_RECORDS" in error["message"]
+    assert refused_s < 5.0 and len(response.content) < 1024
+    assert not ping.failures and len(ping.latencies) >= 3 and ping.worst < PING_BOUND_S, f"slowest /ping {ping.worst:.2f} s"
+    good = json.dumps(DECISION).encode() + b"\n"
+    after = httpx.post(server.base_url + "/invocations", content=good * 3, timeout=120.0,
+                       headers={"content-type": "application/jsonlines"})
+    assert after.status_code == 200, after.text[:500]
+    assert [json.loads(line)["choice"] in ("billing", "shipping") for line in after.text.splitlines()] == [True] * 3
+
+
+@pytest.mark.reliability
+def test_many_refused_lines_under_a_raised_record_cap_never_stall_ping(tmp_path):
+    # Under the cap every line is answered (an error line each): the loop must still turn between
+    # lines that never wait for the model, and the answer is serialised off the loop.
+    records = 200_000
+    proc = _serve(tmp_path, SEMIF_MAX_JSONL_RECORDS=records)
+    try:
+        good = json.dumps(DECISION).encode()
+        raw = b"\n" * (records - 1) + good + b"\n"
+        with PingWatch(proc.base_url) as ping:
+            response = httpx.post(proc.base_url + "/invocations", content=raw, timeout=300.0,
+                                  headers={"content-type": "application/jsonlines"})
+        assert response.status_code == 200, response.text[:500]
+        lines = response.text.splitlines()
+        assert len(lines) == records
+        assert json.loads(lines[0])["error"]["code"] == "invalid_json" and "line 1 " in json.loads(lines[0])["error"]["message"]
+        assert json.loads(lines[-1])["choice"] in ("billing", "shipping")
+        assert not ping.failures and len(ping.latencies) >= 3 and ping.worst < PING_BOUND_S, f"slowest /ping {ping.worst:.2f} s"
+    finally:
+        proc.stop()
+
+
 def _status_and_headers(answer: bytes) -> tuple[int, str]:
     head = answer.split(b"\r\n\r\n", 1)[0].decode("latin-1")
     return int(head.split()[1]), head.lower()
@@ -318,9 +364,9 @@ def test_bodies_past_the_byte_budget_get_503_with_retry_after_until_the_budget_i
         head = (f"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(padded)}\r\nConnection: close\r\n\r\n").encode()
         slow = socket.create_connection(("127.0.0.1", proc.port), timeout=30)
-        slow.sendall(head + padded[:1000])  # 60,000 bytes declared, reserved before they arrive
+        slow.sendall(head + padded[:59_000])  # 59,000 bytes in flight, the last 1,000 held back
         time.sleep(0.5)
-        second = body + b" " * (10_000 - len(body))  # 60,000 + 10,000 > 65,536
+        second = body + b" " * (10_000 - len(body))  # 59,000 + 10,000 > 65,536
         refused = httpx.post(proc.base_url + "/invocations", content=second, timeout=30.0,
                              headers={"content-type": "application/json"})
         assert refused.status_code == 503, refused.text
@@ -328,7 +374,7 @@ def test_bodies_past_the_byte_budget_get_503_with_retry_after_until_the_budget_i
         assert refused.json()["error"]["code"] == "overloaded"
         assert "SEMIF_BODY_BUDGET_BYTES" in refused.json()["error"]["message"]
         assert httpx.get(proc.base_url + "/ping", timeout=5.0).status_code == 200
-        slow.sendall(padded[1000:])
+        slow.sendall(padded[59_000:])
         answer = b""
         while chunk := slow.recv(65536):
             answer += chunk
@@ -340,6 +386,30 @@ def test_bodies_past_the_byte_budget_get_503_with_retry_after_until_the_budget_i
                                headers={"content-type": "application/json"})
             assert again.status_code == 200, again.text
     finally:
+        proc.stop()
+
+
+@pytest.mark.reliability
+def test_sockets_that_declare_bodies_and_send_nothing_hold_no_budget(tmp_path):
+    # Four sockets each declare a body at the limit (together the whole budget) and send one byte:
+    # only the bytes that arrived count, so a decision posted meanwhile is read and answered.
+    proc = _serve(tmp_path, SEMIF_MAX_BODY_BYTES=MIB, SEMIF_BODY_BUDGET_BYTES=4 * MIB)
+    idle = []
+    try:
+        head = (f"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {MIB}\r\n\r\n{{").encode()
+        for _ in range(4):
+            sock = socket.create_connection(("127.0.0.1", proc.port), timeout=30)
+            sock.sendall(head)
+            idle.append(sock)
+        time.sleep(0.5)
+        for _ in range(2):
+            answer = httpx.post(proc.base_url + "/invocations", json=DECISION, timeout=60.0)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choice"] in ("billing", "shipping")
+    finally:
+        for sock in idle:
+            sock.close()
         proc.stop()
 
 

@@ -188,6 +188,78 @@ def test_a_mini_batch_over_the_payload_limit_is_413(app_with):
     assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
 
 
+def test_a_mini_batch_over_the_record_cap_is_413_naming_the_body_and_one_at_the_cap_is_answered(app_with):
+    client = app_with(max_jsonl_records=3)
+    lines = [semif_line(decision_id=f"q{i}") for i in range(4)]
+    refused = post_lines(client, lines)
+    assert refused.status_code == 413, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["field"]) == ("too_many_records", "<body>")
+    assert "4 records" in error["message"] and "SEMIF_MAX_JSONL_RECORDS" in error["message"]
+    # Empty lines are records too (each would get an error line), and a final newline adds none.
+    empty = client.post("/invocations", content=b"\n" * 4, headers=JSONL)
+    assert empty.status_code == 413 and empty.json()["error"]["code"] == "too_many_records"
+    answered = answer_lines(post_lines(client, lines[:3]))
+    assert [line["id"] for line in answered] == ["q0", "q1", "q2"]
+    assert all("choice" in line for line in answered)
+
+
+def test_lines_that_never_wait_for_the_model_still_give_the_event_loop_turns(app_with):
+    # Refused lines are answered from the parsed chunk without suspending; another task on the loop
+    # must still run while a thousand of them are answered (not once per parsed chunk only).
+    import asyncio
+    from collections import Counter
+
+    from semif.serving.http.admission import Cancellation
+    from semif.serving.http.jsonlines import YIELD_EVERY, _answer_lines
+
+    service = app_with().app.state.service
+    lines = [b""] * 1000
+
+    async def run() -> tuple[int, list]:
+        turns, out, done = 0, [], False
+
+        async def ticker():
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        started = turns
+        await _answer_lines(service, lines, None, Cancellation(None), request_id="r", out=out,
+                            errors=Counter(), totals=Counter())
+        done = True
+        await task
+        return turns - started, out
+
+    turns, out = asyncio.run(run())
+    assert len(out) == 1000 and {line["error"]["code"] for line in out} == {"invalid_json"}
+    assert turns >= 1000 // YIELD_EVERY, f"the loop ran other tasks only {turns} times"
+
+
+def test_the_answer_of_a_mini_batch_is_serialised_off_the_event_loop(client, monkeypatch):
+    import asyncio
+
+    from semif.serving.http import jsonlines
+
+    loops = []
+    serialise = jsonlines.serialise
+
+    def watched(out):
+        try:
+            loops.append(asyncio.get_running_loop())
+        except RuntimeError:  # a worker thread runs no loop
+            loops.append(None)
+        return serialise(out)
+
+    monkeypatch.setattr(jsonlines, "serialise", watched)
+    answered = answer_lines(post_lines(client, [semif_line(decision_id="q0"), semif_line(decision_id="q1")]))
+    assert [line["id"] for line in answered] == ["q0", "q1"]
+    assert loops == [None]
+
+
 def test_json_requests_echo_an_optional_record_id_for_system_one_and_openai(client):
     assert client.post("/invocations", json=systemone_line("s1-42")).json()["id"] == "s1-42"
     assert client.post("/v1/decisions", json=openai_line("oa-42")).json()["id"] == "oa-42"
@@ -205,5 +277,9 @@ def test_batch_settings_come_from_their_own_variables(model_path):
     assert (Settings.from_env(env).batch_deadline_s, Settings.from_env(env).batch_max_request_tokens) == (3300.0, 0)
     tuned = Settings.from_env({**env, "SEMIF_BATCH_DEADLINE_S": "120", "SEMIF_BATCH_MAX_REQUEST_TOKENS": "8192"})
     assert (tuned.batch_deadline_s, tuned.batch_max_request_tokens) == (120.0, 8192)
+    assert Settings.from_env(env).max_jsonl_records == 10000
+    assert Settings.from_env({**env, "SEMIF_MAX_JSONL_RECORDS": "500"}).max_jsonl_records == 500
+    with pytest.raises(SettingsError, match="SEMIF_MAX_JSONL_RECORDS"):
+        Settings.from_env({**env, "SEMIF_MAX_JSONL_RECORDS": "0"})
     with pytest.raises(SettingsError, match="SEMIF_BATCH_DEADLINE_S"):
         Settings.from_env({**env, "SEMIF_BATCH_DEADLINE_S": "soon"})

@@ -120,6 +120,7 @@ class Settings:
     # below the 3600 s invocation timeout semif-batch sets; 0 tokens = no budget beyond the context.
     batch_deadline_s: float = 3300.0
     batch_max_request_tokens: int = 0
+    max_jsonl_records: int = 10000  # records (lines) in one mini-batch; past it, 413 before any is parsed
     # Prompt layout when a request does not say : state_first or options_first (routing).
     # A request with several questions uses state_first whatever this says.
     layout: str = "state_first"
@@ -210,6 +211,7 @@ class Settings:
             require_gpu=require_gpu,
             batch_deadline_s=_float(env, "SEMIF_BATCH_DEADLINE_S", 3300.0, minimum=0.001),
             batch_max_request_tokens=_int(env, "SEMIF_BATCH_MAX_REQUEST_TOKENS", 0, minimum=0),
+            max_jsonl_records=_int(env, "SEMIF_MAX_JSONL_RECORDS", 10000, minimum=1),
             layout=layout,
             injection_check=_bool(env, "SEMIF_INJECTION_CHECK", False),
             debias=debias,

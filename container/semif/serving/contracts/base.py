@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -142,6 +143,29 @@ class Contract(Protocol):
     def parse(self, body: Any, limits: Limits) -> Job: ...
 
     def error_body(self, error: RequestError) -> dict: ...
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SEPARATORS = re.compile(r"[\x1e\x1f]")
+
+
+def option_id_problem(value: str) -> Optional[str]:
+    """Why ``value`` cannot be an option id, or None. Ids hold no control characters (U+0000–U+001F,
+    U+007F): the option-set hash separates ids and descriptions with U+001F and U+001E, so that
+    different option sets can never hash alike, and ids are echoed in answers and logs."""
+    found = _CONTROL.search(value)
+    if found is None:
+        return None
+    return f"must not hold control characters (U+{ord(found.group()):04X} at index {found.start()})"
+
+
+def option_description_problem(value: Optional[str]) -> Optional[str]:
+    """Why ``value`` cannot be an option description, or None: no U+001E or U+001F, the separators of
+    the option-set hash (other control characters, newlines included, are fine in a description)."""
+    found = None if value is None else _SEPARATORS.search(value)
+    if found is None:
+        return None
+    return f"must not hold U+{ord(found.group()):04X} (at index {found.start()})"
 
 
 def state_sha256(state_text: str) -> str:

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from ..engine.context import Distribution, ScoreResult
 from ..engine.prompt import Outcome, Question, options_sha256
-from .base import DEBIAS_VALUES, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt
+from .base import (DEBIAS_VALUES, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt,
+                   option_description_problem, option_id_problem)
 
 NAME = "openai_decisions"
 # Answered besides the served model's name (app.py checks): the one model the SDK documents.
@@ -134,6 +135,15 @@ def _optional_str(q: dict, key: str, field: str) -> Optional[str]:
     return None if value is None else _require(value, str, f"{field}.{key}", "a string")
 
 
+def _description(q: dict, field: str) -> Optional[str]:
+    """An option's description: a string with no hash separator (U+001E, U+001F), or absent."""
+    value = _optional_str(q, "description", field)
+    problem = option_description_problem(value)
+    if problem:
+        raise _bad(f"{field}.description", problem)
+    return value
+
+
 def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tuple[Question, dict]:
     """(engine question, what render needs: type, name, choice values or level labels)."""
     _require(q, dict, field, "a question object")
@@ -154,13 +164,15 @@ def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tupl
             value = choice.get("value")
             if not isinstance(value, (str, bool)):
                 raise _bad(f"{where}.value", f"must be a string or a boolean, not {_type_name(value)}")
+            if isinstance(value, str) and option_id_problem(value):
+                raise _bad(f"{where}.value", option_id_problem(value))
             typed = (type(value), value)  # a string and a boolean with the same text are distinct
             if typed in seen:
                 raise _bad(f"{where}.value", f"duplicate choice {_shown(value)}")
             seen.add(typed)
             values.append(value)
             outcomes.append(Outcome(json.dumps(value) if isinstance(value, bool) else value,
-                                    _optional_str(choice, "description", where)))
+                                    _description(choice, where)))
         return Question(text, tuple(outcomes), kind="choice"), {"type": kind, "name": name, "values": values}
     if kind == "score":
         levels = _require(q.get("levels"), list, f"{field}.levels", "an array of levels")
@@ -171,8 +183,10 @@ def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tupl
             where = f"{field}.levels[{i}]"
             _require(level, dict, where, "a level object")
             label = _require(level.get("label"), str, f"{where}.label", "a string")
+            if option_id_problem(label):
+                raise _bad(f"{where}.label", option_id_problem(label))
             labels.append(label)
-            outcomes.append(Outcome(label, _optional_str(level, "description", where)))
+            outcomes.append(Outcome(label, _description(level, where)))
         return Question(text, tuple(outcomes), kind="scale"), {"type": kind, "name": name, "labels": labels}
     raise _bad(f"{field}.type", f"must be predicate, choice or score (got {_shown(kind)})")
 

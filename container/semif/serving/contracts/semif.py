@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..engine.context import ScoreResult
 from ..engine.prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
 from ..postprocess.policy import Policy, PolicyError
-from .base import Job, Limits, RequestError, RunContext, excerpt, first_validation_error, resolve_layout
+from .base import (Job, Limits, RequestError, RunContext, excerpt, first_validation_error, option_description_problem,
+                   option_id_problem, resolve_layout)
 
 NAME = "semif"
 _MAX_TEXT = 200_000
@@ -26,6 +27,22 @@ class _Strict(BaseModel):
 class Option(_Strict):
     id: str = Field(min_length=1, max_length=256)
     description: Optional[str] = Field(default=None, max_length=4000)
+
+    @field_validator("id")
+    @classmethod
+    def _no_control_characters(cls, value: str) -> str:
+        problem = option_id_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("description")
+    @classmethod
+    def _no_hash_separators(cls, value: Optional[str]) -> Optional[str]:
+        problem = option_description_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class DecisionQuestion(_Strict):

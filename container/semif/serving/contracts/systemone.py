@@ -16,7 +16,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from ..engine.context import Distribution, ScoreResult
 from ..engine.prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
-from .base import MAX_ECHO, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt
+from .base import (MAX_ECHO, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt, option_description_problem,
+                   option_id_problem)
 
 NAME = "systemone"
 MODEL_ALIAS = "jev-latest"  # the official SDKs' default model name
@@ -128,6 +129,12 @@ def _where(loc: list, *more) -> str:
     return ".".join(str(p) for p in _loc([*loc, *more]))
 
 
+def _check_description(text: Optional[str], loc: list) -> None:
+    problem = option_description_problem(text)
+    if problem:
+        raise _invalid(loc, problem, "value_error")
+
+
 def _noul_question(q: NoulQuestion, loc: list, texts: JsonTextBudget) -> Question:
     criteria = q.criteria or NoulCriteria()
     yes = None if criteria.true is None else as_text(criteria.true, texts, _where(loc, "criteria", "true"))
@@ -140,6 +147,8 @@ def _noul_question(q: NoulQuestion, loc: list, texts: JsonTextBudget) -> Questio
         lines.append(f"Yes means: {yes}")
     if no is not None:
         lines.append(f"No means: {no}")
+    _check_description(yes, [*loc, "criteria", "true"])
+    _check_description(no, [*loc, "criteria", "false"])
     return Question("\n".join(lines), (Outcome("true", yes), Outcome("false", no)), kind="binary")
 
 
@@ -150,10 +159,16 @@ def _choice_question(q: ChoiceQuestion, loc: list, limits: Limits, texts: JsonTe
                        "too_short" if n < 2 else "too_long", "too_many_options" if n > limits.max_options else "invalid_request")
     if "" in q.criteria:
         raise _invalid([*loc, "criteria"], "option names must not be empty", "value_error")
+    for name in q.criteria:
+        problem = option_id_problem(name)
+        if problem:
+            raise _invalid([*loc, "criteria", name], f"the option name {problem}", "value_error")
     text = (as_text(q.instructions, texts, _where(loc, "instructions")) if q.instructions is not None
             else "Which option fits the state best?")
     outcomes = tuple(Outcome(name, None if d is None else as_text(d, texts, _where(loc, "criteria", name)))
                      for name, d in q.criteria.items())
+    for outcome in outcomes:
+        _check_description(outcome.description, [*loc, "criteria", outcome.key])
     return Question(text, outcomes, kind="choice")
 
 
@@ -165,6 +180,8 @@ def _score_question(q: ScoreQuestion, loc: list, texts: JsonTextBudget) -> Quest
     text = (as_text(q.instructions, texts, _where(loc, "instructions")) if q.instructions is not None
             else "Which level fits the state best?")
     levels = tuple(Outcome(as_text(level, texts, _where(loc, "criteria", i))) for i, level in enumerate(q.criteria))
+    for i, level in enumerate(levels):  # a level's text is its option key: free text, but no hash separator
+        _check_description(level.key, [*loc, "criteria", i])
     return Question(text, levels, kind="scale")
 
 

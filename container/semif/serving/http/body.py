@@ -279,14 +279,11 @@ class BodyReservation:
 async def read_bytes(request: Request, max_bytes: int, *, what: str = "body",
                      reservation: Optional[BodyReservation] = None) -> bytes:
     """Read at most ``max_bytes`` of body, whatever Content-Length claims (``what`` names it in the 413).
-    With a ``reservation``, the declared length is reserved before anything is read, and every byte
-    beyond it as it arrives."""
+    With a ``reservation``, the bytes are reserved as they arrive, never the declared length ahead of
+    them: a socket that declares a large body and sends little holds only what it sent."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit():
-        if int(declared) > max_bytes:
-            raise RequestError(413, "body_too_large", f"{what} of {excerpt(declared)} bytes exceeds {max_bytes}", "<body>")
-        if reservation is not None:
-            reservation.grow_to(int(declared))
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(413, "body_too_large", f"{what} of {excerpt(declared)} bytes exceeds {max_bytes}", "<body>")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

@@ -39,7 +39,8 @@ log = logging.getLogger("semif.http")
 CONTENT_TYPES = frozenset({"application/jsonlines", "application/x-ndjson"})
 MEDIA_TYPE = "application/jsonlines"
 MIB = 1 << 20
-PARSE_CHUNK_BYTES = 64 << 10  # records parsed per trip to the worker thread
+PARSE_CHUNK_BYTES = 64 << 10  # bytes of lines (newlines included) parsed per trip to the worker thread
+YIELD_EVERY = 64  # lines answered between two turns of the event loop to the other requests
 
 
 def is_json_lines(content_type: Optional[str]) -> bool:
@@ -89,13 +90,15 @@ def _parse_line(raw: bytes, number: int, max_values: int = DEFAULT_MAX_JSON_VALU
 
 def parse_chunk(lines: list[bytes], start: int, max_values: int = DEFAULT_MAX_JSON_VALUES,
                 chunk_bytes: int = PARSE_CHUNK_BYTES) -> list[tuple[Any, Optional[RequestError]]]:
-    """(record, error) for the lines from ``start`` on, up to ``chunk_bytes`` of them (at least one line)."""
+    """(record, error) for the lines from ``start`` on, up to ``chunk_bytes`` of them (at least one line).
+    Each line weighs its bytes and its newline, so a run of empty lines is chunked like any other."""
     out: list[tuple[Any, Optional[RequestError]]] = []
     size = 0
     for index in range(start, len(lines)):
-        if out and size + len(lines[index]) > chunk_bytes:
+        weight = len(lines[index]) + 1
+        if out and size + weight > chunk_bytes:
             break
-        size += len(lines[index])
+        size += weight
         try:
             out.append((_parse_line(lines[index], index + 1, max_values), None))
         except RequestError as error:
@@ -146,6 +149,18 @@ def _error_line(contract, error: RequestError, body: Any) -> dict:
     return line
 
 
+def count_records(raw: bytes) -> int:
+    """How many records ``split_lines`` would make of ``raw``, without making them."""
+    if not raw:
+        return 0
+    return raw.count(b"\n") + (0 if raw.endswith(b"\n") else 1)
+
+
+def serialise(out: list) -> bytes:
+    """The answer lines as one UTF-8 JSON Lines body (run in a worker thread: a mini-batch can be large)."""
+    return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in out).encode("utf-8")
+
+
 def split_lines(raw: bytes) -> list[bytes]:
     """Records of a mini-batch: one per line; a final newline ends the last record, it does not add one."""
     if not raw:
@@ -162,6 +177,10 @@ async def _answer_lines(service, lines: list[bytes], override: Optional[str], ca
     settings = service.settings
     records = Records(lines, settings.max_json_values)
     for index in range(len(lines)):
+        if index % YIELD_EVERY == YIELD_EVERY - 1:
+            # A record answered from the parsed chunk (or refused) never suspends: let /ping and the
+            # other requests run between lines.
+            await asyncio.sleep(0)
         if cancel.gone:
             raise ClientDisconnect()
         number = index + 1
@@ -222,7 +241,14 @@ async def handle(service, request: Request) -> Response:
                                          service.body_timeout_s)
 
         override = custom_attribute(request.headers.get(SAGEMAKER_ATTRIBUTES, ""), "contract")
-        lines = split_lines(raw)
+        records = count_records(raw)
+        if records > settings.max_jsonl_records:
+            fields["records"] = records
+            raise RequestError(413, "too_many_records",
+                               f"the mini-batch holds {records} records, more than {settings.max_jsonl_records} "
+                               "(SEMIF_MAX_JSONL_RECORDS); send smaller mini-batches (a lower MaxPayloadInMB)",
+                               "<body>")
+        lines = await asyncio.to_thread(split_lines, raw)  # up to a record per byte: off the loop
         del raw
         fields["records"] = len(lines)
         async with watching(request, cancel):
@@ -260,5 +286,6 @@ async def handle(service, request: Request) -> Response:
         fields["template_version"] = service.engine.info["template_version"]
         fields["image_digest"] = settings.image_digest
         log.info("request", extra=fields)
-    body_text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in out)
-    return Response(body_text, status_code=200, media_type=MEDIA_TYPE, headers=headers)
+    body = await asyncio.to_thread(serialise, out)
+    del out
+    return Response(body, status_code=200, media_type=MEDIA_TYPE, headers=headers)
