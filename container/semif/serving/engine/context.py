@@ -37,6 +37,10 @@ log = logging.getLogger("semif.engine")
 SEQ = 0  # the one sequence this context holds
 LABEL_MEMO_SIZE = 256  # identical prompts remembered (label logits only: a few floats each)
 TEMPLATE_TOKENS_CACHE_SIZE = 1024  # distinct template strings kept tokenized (see Engine._tokenize)
+# Only strings up to this many characters are kept there, at most TEMPLATE_TOKENS_CACHE_CHARS in all: template
+# pieces are short, and text with client content in it (a question block, options) must not fill memory.
+TEMPLATE_TOKENS_MAX_CHARS = 4096
+TEMPLATE_TOKENS_CACHE_CHARS = 1 << 20
 DEFAULT_PREFIX_CACHE_MB = 256  # SEMIF_PREFIX_CACHE_MB: RAM for KV snapshots of prefixes (0: none)
 # A snapshot is restored only when it spares evaluating at least this many tokens: below that, the copy of
 # the whole prefix's KV (tens of KB per token) and the extra llama.cpp calls cost about what they save.
@@ -181,6 +185,53 @@ class _PrefixSnapshot:
     data: np.ndarray  # uint8
 
 
+class _TokenCache:
+    """Tokens of short strings by (text, add_bos), least recently used dropped first; bounded by entries
+    and by the total characters of the strings it holds, each of which is at most ``max_chars`` long
+    (a longer one is tokenized on every call, never kept). Thread-safe: plans are built off the model thread."""
+
+    def __init__(self, tokenize: Callable[[str, bool], tuple], *, max_entries: int, max_chars: int, max_total_chars: int):
+        self._tokenize = tokenize
+        self.max_entries, self.max_chars, self.max_total_chars = max_entries, max_chars, max_total_chars
+        self._entries: "OrderedDict[tuple[str, bool], tuple[int, ...]]" = OrderedDict()
+        self.total_chars = 0
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str, add_bos: bool) -> tuple[int, ...]:
+        key = (text, add_bos)
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return found
+            self.misses += 1
+        tokens = tuple(self._tokenize(text, add_bos))
+        if len(text) > self.max_chars:
+            return tokens
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = tokens
+                self.total_chars += len(text)
+                while len(self._entries) > self.max_entries or self.total_chars > self.max_total_chars:
+                    (old, _), _ = self._entries.popitem(last=False)
+                    self.total_chars -= len(old)
+        return tokens
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def cache_info(self):
+        """Hits, misses and size, as functools.lru_cache's ``cache_info`` names them."""
+        return functools._CacheInfo(self.hits, self.misses, self.max_entries, len(self._entries))
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.total_chars = 0
+
+
 def _prefix_key(segments: Sequence[Sequence[int]]) -> int:
     return hash(tuple(tuple(s) for s in segments))
 
@@ -250,10 +301,12 @@ class Engine:
         self._ctx = self.llm._ctx.ctx
         self._model = self.llm._model.model
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        # Template text tokens by (text, add_bos); functools' cache is thread-safe (plans are built off the
-        # model thread). Bounded: label selection at load tokenizes some hundreds of cue + label strings.
-        self._template_tokens = functools.lru_cache(maxsize=TEMPLATE_TOKENS_CACHE_SIZE)(
-            lambda text, add_bos: tuple(self._tokenize_bytes(text.encode("utf-8"), add_bos, True))
+        # Template text tokens by (text, add_bos). Bounded by entries (label selection at load tokenizes some
+        # hundreds of cue + label strings) and by characters: only short strings are kept (see _TokenCache).
+        self._template_tokens = _TokenCache(
+            lambda text, add_bos: self._tokenize_bytes(text.encode("utf-8"), add_bos, True),
+            max_entries=TEMPLATE_TOKENS_CACHE_SIZE, max_chars=TEMPLATE_TOKENS_MAX_CHARS,
+            max_total_chars=TEMPLATE_TOKENS_CACHE_CHARS,
         )
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         # Recurrent and hybrid models cannot drop the tail of a sequence; they rewind by restoring a
@@ -363,8 +416,9 @@ class Engine:
         if not text:
             return []
         if special:
-            # Text that may hold special tokens is template text (client text never is): a few constant
-            # strings per template (head, tail), tokenized once each instead of once per question.
+            # Text that may hold special tokens is template text, a few constant strings per template (head,
+            # tail), tokenized once each instead of once per question. Plans also tokenize client text this
+            # way (to see whether special tokens change it): long strings are not kept (_TokenCache).
             return list(self._template_tokens(text, add_bos))
         return self._tokenize_bytes(text.encode("utf-8"), add_bos, False)
 
