@@ -327,6 +327,12 @@ class Engine:
         self.prefix_restored_tokens = 0
         self.prefix_snapshot_failures = 0  # saves or restores that raised or were refused (answered cold instead)
         self._decoded_from: Optional[int] = None  # lowest position decoded in the current request
+        # The current request's cancel hook, asked before each question and, within one, before any batch
+        # that would make more than n_batch tokens decoded since it was last asked (a long state);
+        # (question index, questions) for the Cancelled raised there.
+        self._cancel: Optional[Callable[[], bool]] = None
+        self._cancel_progress = (0, 0)
+        self._unchecked_tokens = 0
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._batch_seq_ready = False  # n_seq_id / seq_id of every batch slot hold (1, SEQ): _fill_batch
         self._segments: list[tuple[int, ...]] = []  # what the context holds, in evaluation segments
@@ -606,12 +612,19 @@ class Engine:
             self._decoded_from = start
         all_tokens = np.asarray(tokens, dtype=np.int32)
         for offset in range(0, len(all_tokens), self.n_batch):
+            # At most n_batch tokens decoded between two questions of the cancel hook.
+            if self._cancel is not None and self._unchecked_tokens + min(self.n_batch, len(all_tokens) - offset) > self.n_batch:
+                self._unchecked_tokens = 0
+                if self._cancel():
+                    self._drop_partial_segment(start)
+                    raise Cancelled(*self._cancel_progress)
             first = start + offset
             n = self._fill_batch(all_tokens[offset : offset + self.n_batch], first, want)
             status = lc.llama_decode(self._ctx, batch)
             if status != 0:
                 self.invalidate()
                 raise EngineError(f"llama_decode failed with status {status}")
+            self._unchecked_tokens += n
             for pos in sorted(p for p in want if first <= p < first + n):
                 ptr = lc.llama_get_logits_ith(self._ctx, pos - first)
                 rows[pos] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
@@ -619,6 +632,13 @@ class Engine:
             self._serial_segments += 1
         self._segments.append(tuple(tokens))
         return rows
+
+    def _drop_partial_segment(self, start: int) -> None:
+        """A segment stopped before or between its batches: drop its cells from ``start`` on, so the context
+        holds exactly its complete segments (or nothing, where it cannot rewind partially). The segment
+        was never recorded, so no snapshot and no memo entry holds it."""
+        if not (self.partial_rewind and self._lc.llama_memory_seq_rm(self._memory, SEQ, start, -1)):
+            self.invalidate()
 
     def _forward(self, segments: list[Sequence[int]], positions: list[int]) -> tuple[dict[int, np.ndarray], int, int]:
         """Logits at absolute ``positions`` (all inside the last segment), reusing the longest run of
@@ -890,11 +910,13 @@ class Engine:
         return self.execute(planned, cancel=cancel)
 
     def execute(self, plan: PromptPlan, *, cancel: Optional[Callable[[], bool]] = None) -> ScoreResult:
-        """Run a finished plan on the context. ``cancel`` is asked before each question; when it returns
-        True the engine raises Cancelled and the context stays consistent. Any other exception empties
+        """Run a finished plan on the context. ``cancel`` is asked before each question and between the
+        ``n_batch``-token batches of a longer segment (a long state); when it returns True the engine raises
+        Cancelled and the context stays consistent (a segment stopped part-way is dropped). Any other exception empties
         the context and its bookkeeping, so the next request starts from a known state."""
         started = time.perf_counter()
         with self.lock:
+            self._cancel, self._cancel_progress, self._unchecked_tokens = cancel, (0, len(plan.questions)), 0
             try:
                 return self._execute(plan, cancel, started)
             except Cancelled:
@@ -902,6 +924,8 @@ class Engine:
             except BaseException:
                 self.invalidate()
                 raise
+            finally:
+                self._cancel = None
 
     def _execute(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]], started: float) -> ScoreResult:
         if not self.prefix_cache:
@@ -915,6 +939,7 @@ class Engine:
         for index, qplan in enumerate(plan.questions):
             if cancel is not None and cancel():
                 raise Cancelled(index, len(plan.questions))
+            self._cancel_progress, self._unchecked_tokens = (index, len(plan.questions)), 0
             q_started = time.perf_counter()
             dist, memo_tokens = self._score_question(plan, qplan, prefix)
             if qplan.reversed is not None and qplan.reversed.own_prefix_segments is None:
@@ -927,6 +952,7 @@ class Engine:
         if plan.injection_check is not None:
             if cancel is not None and cancel():
                 raise Cancelled(len(plan.questions), len(plan.questions))
+            self._cancel_progress, self._unchecked_tokens = (len(plan.questions), len(plan.questions)), 0
             injection_suspected, check_evaluated, check_memo = self._injection_check(plan, prefix)
             evaluated += check_evaluated
             memo_suffix_tokens += check_memo
@@ -934,6 +960,7 @@ class Engine:
         # state), so it runs last, after everything that reuses the given order's prefix.
         for index, qplan in enumerate(plan.questions):
             if qplan.reversed is not None and qplan.reversed.own_prefix_segments is not None:
+                self._cancel_progress = (index, len(plan.questions))
                 q_started = time.perf_counter()
                 given = distributions[index]
                 evaluated -= given.evaluated_tokens
