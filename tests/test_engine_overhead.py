@@ -81,3 +81,37 @@ def test_clearing_only_the_caches_metadata_leaves_later_answers_exact(engine, me
     assert got.cached_tokens == 0
     assert got.distributions[0].option_logits == want
 
+
+
+def test_client_text_does_not_fill_the_template_token_cache(engine):
+    """Plans tokenize question blocks (client options and descriptions) with special tokens allowed, to see
+    whether that changes them: large ones must not be kept. Many distinct large-option requests, most of them
+    refused as too long, leave the cache within its bound, and the plans equal those of an emptied cache."""
+    from semif.serving.engine.context import (TEMPLATE_TOKENS_CACHE_CHARS, TEMPLATE_TOKENS_CACHE_SIZE,
+                                              TEMPLATE_TOKENS_MAX_CHARS, PromptTooLong)
+
+    cache = engine._template_tokens
+    refused = 0
+    for request in range(40):
+        description = f"request {request} " + "a long description of this option, " * 120  # ~4 KB each
+        options = tuple(Outcome(f"o{request}_{i}", f"{i}: {description}") for i in range(12 if request % 2 else 2))
+        try:
+            engine.plan(f"State {request}.", [Question(f"Which option? ({request})", options)])
+        except PromptTooLong:
+            refused += 1
+    assert refused == 20
+    held = sum(len(text) for text, _ in cache._entries)
+    assert held == cache.total_chars <= TEMPLATE_TOKENS_CACHE_CHARS
+    assert len(cache) <= TEMPLATE_TOKENS_CACHE_SIZE
+    assert max(len(text) for text, _ in cache._entries) <= TEMPLATE_TOKENS_MAX_CHARS
+    # Well below the bound: not one large block was kept (it is the client text, not the limit, that is large).
+    assert held < 40 * 2 * 4000
+
+    options = tuple(Outcome(f"x{i}", "a long description of this option, " * 120) for i in range(2))
+    question = Question("Which option?", options)
+    warm = engine.plan("A state.", [question])
+    cache.cache_clear()
+    cold = engine.plan("A state.", [question])
+    assert [list(s) for s in warm.prefix_segments] == [list(s) for s in cold.prefix_segments]
+    assert [q.suffix_tokens for q in warm.questions] == [q.suffix_tokens for q in cold.questions]
+    assert cache.total_chars < TEMPLATE_TOKENS_MAX_CHARS  # the cold plan kept its template pieces only

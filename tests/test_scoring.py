@@ -302,6 +302,76 @@ def test_cancel_stops_between_questions_and_leaves_the_context_consistent(engine
     np.testing.assert_allclose(warm.distributions[0].option_logits, reference.distributions[0].option_logits, atol=1e-5)
 
 
+LONG_STATE = " ".join(f"Message {i}: the customer asked again about the refund for order {1000 + i}." for i in range(110))
+
+
+def _counting_decodes(engine, monkeypatch, turn_true_after: int):
+    """Wrap llama_decode to count calls and the tokens of each; the returned cancel hook turns true once
+    ``turn_true_after`` calls were made."""
+    calls: list[int] = []
+    real = engine._lc.llama_decode
+
+    def decode(ctx, batch):
+        calls.append(int(batch.n_tokens))
+        return real(ctx, batch)
+
+    monkeypatch.setattr(engine._lc, "llama_decode", decode)
+    return calls, lambda: len(calls) >= turn_true_after
+
+
+def _context_matches_bookkeeping(engine) -> None:
+    """The KV cells of the sequence end exactly where the recorded segments do."""
+    last = engine._lc.llama_memory_seq_pos_max(engine._memory, 0)
+    assert last + 1 == engine._cached_len
+
+
+def test_cancel_stops_a_long_state_within_one_batch_and_the_next_answer_equals_a_cold_one(engine, memo_off, monkeypatch):
+    from semif.serving.engine.context import Cancelled
+
+    start_cold(engine)
+    plan = engine.plan(LONG_STATE, [ROUTE, PRIORITY])
+    assert plan.state_tokens > 4 * engine.n_batch  # several batches of state before the first answer
+    calls, cancel = _counting_decodes(engine, monkeypatch, turn_true_after=1)
+    with pytest.raises(Cancelled) as info:
+        engine.execute(plan, cancel=cancel)
+    assert (info.value.done, info.value.total) == (0, 2)
+    # Stopped within one batch of the cancel turning true: n_batch tokens at most decoded after it.
+    assert sum(calls[1:]) <= engine.n_batch and len(calls) < len(plan.prefix_segments), calls
+    _context_matches_bookkeeping(engine)
+    monkeypatch.undo()
+    warm = _computed(engine.score(LONG_STATE, [PRIORITY]))
+    start_cold(engine)
+    cold = _computed(engine.score(LONG_STATE, [PRIORITY]))
+    np.testing.assert_allclose(warm.distributions[0].option_logits, cold.distributions[0].option_logits, atol=1e-6)
+
+
+def test_cancel_between_the_batches_of_one_segment_drops_that_segment(engine, memo_off, monkeypatch):
+    """A segment longer than n_batch (a fused state tail and question, a cloze prompt) stopped part-way:
+    its decoded cells are removed and it is not recorded, so the next request evaluates it whole."""
+    from semif.serving.engine.context import Cancelled
+
+    start_cold(engine)
+    prefix = [list(s) for s in engine.plan(LONG_STATE, []).prefix_segments]
+    segment = [t for s in prefix[1:] for t in s][: 3 * engine.n_batch - 7]
+    engine._decode(prefix[0], set())
+    held = list(engine.held_segments())
+    calls, cancel = _counting_decodes(engine, monkeypatch, turn_true_after=1)
+    engine._cancel, engine._unchecked_tokens = cancel, 0
+    try:
+        with pytest.raises(Cancelled):
+            engine._decode(segment, {len(prefix[0]) + len(segment) - 1})
+    finally:
+        engine._cancel = None
+    assert calls == [engine.n_batch]  # stopped after the first of the segment's three batches
+    assert list(engine.held_segments()) == held
+    _context_matches_bookkeeping(engine)
+    monkeypatch.undo()
+    warm = _computed(engine.score(LONG_STATE, [ROUTE]))
+    start_cold(engine)
+    cold = _computed(engine.score(LONG_STATE, [ROUTE]))
+    np.testing.assert_allclose(warm.distributions[0].option_logits, cold.distributions[0].option_logits, atol=1e-6)
+
+
 def test_a_failure_mid_request_empties_the_context_so_the_next_answer_equals_a_cold_one(engine, memo_off, monkeypatch):
     import llama_cpp
 

@@ -37,6 +37,10 @@ log = logging.getLogger("semif.engine")
 SEQ = 0  # the one sequence this context holds
 LABEL_MEMO_SIZE = 256  # identical prompts remembered (label logits only: a few floats each)
 TEMPLATE_TOKENS_CACHE_SIZE = 1024  # distinct template strings kept tokenized (see Engine._tokenize)
+# Only strings up to this many characters are kept there, at most TEMPLATE_TOKENS_CACHE_CHARS in all: template
+# pieces are short, and text with client content in it (a question block, options) must not fill memory.
+TEMPLATE_TOKENS_MAX_CHARS = 4096
+TEMPLATE_TOKENS_CACHE_CHARS = 1 << 20
 DEFAULT_PREFIX_CACHE_MB = 256  # SEMIF_PREFIX_CACHE_MB: RAM for KV snapshots of prefixes (0: none)
 # A snapshot is restored only when it spares evaluating at least this many tokens: below that, the copy of
 # the whole prefix's KV (tens of KB per token) and the extra llama.cpp calls cost about what they save.
@@ -181,6 +185,53 @@ class _PrefixSnapshot:
     data: np.ndarray  # uint8
 
 
+class _TokenCache:
+    """Tokens of short strings by (text, add_bos), least recently used dropped first; bounded by entries
+    and by the total characters of the strings it holds, each of which is at most ``max_chars`` long
+    (a longer one is tokenized on every call, never kept). Thread-safe: plans are built off the model thread."""
+
+    def __init__(self, tokenize: Callable[[str, bool], tuple], *, max_entries: int, max_chars: int, max_total_chars: int):
+        self._tokenize = tokenize
+        self.max_entries, self.max_chars, self.max_total_chars = max_entries, max_chars, max_total_chars
+        self._entries: "OrderedDict[tuple[str, bool], tuple[int, ...]]" = OrderedDict()
+        self.total_chars = 0
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str, add_bos: bool) -> tuple[int, ...]:
+        key = (text, add_bos)
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return found
+            self.misses += 1
+        tokens = tuple(self._tokenize(text, add_bos))
+        if len(text) > self.max_chars:
+            return tokens
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = tokens
+                self.total_chars += len(text)
+                while len(self._entries) > self.max_entries or self.total_chars > self.max_total_chars:
+                    (old, _), _ = self._entries.popitem(last=False)
+                    self.total_chars -= len(old)
+        return tokens
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def cache_info(self):
+        """Hits, misses and size, as functools.lru_cache's ``cache_info`` names them."""
+        return functools._CacheInfo(self.hits, self.misses, self.max_entries, len(self._entries))
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.total_chars = 0
+
+
 def _prefix_key(segments: Sequence[Sequence[int]]) -> int:
     return hash(tuple(tuple(s) for s in segments))
 
@@ -250,10 +301,12 @@ class Engine:
         self._ctx = self.llm._ctx.ctx
         self._model = self.llm._model.model
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        # Template text tokens by (text, add_bos); functools' cache is thread-safe (plans are built off the
-        # model thread). Bounded: label selection at load tokenizes some hundreds of cue + label strings.
-        self._template_tokens = functools.lru_cache(maxsize=TEMPLATE_TOKENS_CACHE_SIZE)(
-            lambda text, add_bos: tuple(self._tokenize_bytes(text.encode("utf-8"), add_bos, True))
+        # Template text tokens by (text, add_bos). Bounded by entries (label selection at load tokenizes some
+        # hundreds of cue + label strings) and by characters: only short strings are kept (see _TokenCache).
+        self._template_tokens = _TokenCache(
+            lambda text, add_bos: self._tokenize_bytes(text.encode("utf-8"), add_bos, True),
+            max_entries=TEMPLATE_TOKENS_CACHE_SIZE, max_chars=TEMPLATE_TOKENS_MAX_CHARS,
+            max_total_chars=TEMPLATE_TOKENS_CACHE_CHARS,
         )
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         # Recurrent and hybrid models cannot drop the tail of a sequence; they rewind by restoring a
@@ -274,6 +327,12 @@ class Engine:
         self.prefix_restored_tokens = 0
         self.prefix_snapshot_failures = 0  # saves or restores that raised or were refused (answered cold instead)
         self._decoded_from: Optional[int] = None  # lowest position decoded in the current request
+        # The current request's cancel hook, asked before each question and, within one, before any batch
+        # that would make more than n_batch tokens decoded since it was last asked (a long state);
+        # (question index, questions) for the Cancelled raised there.
+        self._cancel: Optional[Callable[[], bool]] = None
+        self._cancel_progress = (0, 0)
+        self._unchecked_tokens = 0
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._batch_seq_ready = False  # n_seq_id / seq_id of every batch slot hold (1, SEQ): _fill_batch
         self._segments: list[tuple[int, ...]] = []  # what the context holds, in evaluation segments
@@ -363,8 +422,9 @@ class Engine:
         if not text:
             return []
         if special:
-            # Text that may hold special tokens is template text (client text never is): a few constant
-            # strings per template (head, tail), tokenized once each instead of once per question.
+            # Text that may hold special tokens is template text, a few constant strings per template (head,
+            # tail), tokenized once each instead of once per question. Plans also tokenize client text this
+            # way (to see whether special tokens change it): long strings are not kept (_TokenCache).
             return list(self._template_tokens(text, add_bos))
         return self._tokenize_bytes(text.encode("utf-8"), add_bos, False)
 
@@ -552,12 +612,19 @@ class Engine:
             self._decoded_from = start
         all_tokens = np.asarray(tokens, dtype=np.int32)
         for offset in range(0, len(all_tokens), self.n_batch):
+            # At most n_batch tokens decoded between two questions of the cancel hook.
+            if self._cancel is not None and self._unchecked_tokens + min(self.n_batch, len(all_tokens) - offset) > self.n_batch:
+                self._unchecked_tokens = 0
+                if self._cancel():
+                    self._drop_partial_segment(start)
+                    raise Cancelled(*self._cancel_progress)
             first = start + offset
             n = self._fill_batch(all_tokens[offset : offset + self.n_batch], first, want)
             status = lc.llama_decode(self._ctx, batch)
             if status != 0:
                 self.invalidate()
                 raise EngineError(f"llama_decode failed with status {status}")
+            self._unchecked_tokens += n
             for pos in sorted(p for p in want if first <= p < first + n):
                 ptr = lc.llama_get_logits_ith(self._ctx, pos - first)
                 rows[pos] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
@@ -565,6 +632,13 @@ class Engine:
             self._serial_segments += 1
         self._segments.append(tuple(tokens))
         return rows
+
+    def _drop_partial_segment(self, start: int) -> None:
+        """A segment stopped before or between its batches: drop its cells from ``start`` on, so the context
+        holds exactly its complete segments (or nothing, where it cannot rewind partially). The segment
+        was never recorded, so no snapshot and no memo entry holds it."""
+        if not (self.partial_rewind and self._lc.llama_memory_seq_rm(self._memory, SEQ, start, -1)):
+            self.invalidate()
 
     def _forward(self, segments: list[Sequence[int]], positions: list[int]) -> tuple[dict[int, np.ndarray], int, int]:
         """Logits at absolute ``positions`` (all inside the last segment), reusing the longest run of
@@ -839,11 +913,13 @@ class Engine:
         return self.execute(planned, cancel=cancel)
 
     def execute(self, plan: PromptPlan, *, cancel: Optional[Callable[[], bool]] = None) -> ScoreResult:
-        """Run a finished plan on the context. ``cancel`` is asked before each question; when it returns
-        True the engine raises Cancelled and the context stays consistent. Any other exception empties
+        """Run a finished plan on the context. ``cancel`` is asked before each question and between the
+        ``n_batch``-token batches of a longer segment (a long state); when it returns True the engine raises
+        Cancelled and the context stays consistent (a segment stopped part-way is dropped). Any other exception empties
         the context and its bookkeeping, so the next request starts from a known state."""
         started = time.perf_counter()
         with self.lock:
+            self._cancel, self._cancel_progress, self._unchecked_tokens = cancel, (0, len(plan.questions)), 0
             try:
                 return self._execute(plan, cancel, started)
             except Cancelled:
@@ -851,6 +927,8 @@ class Engine:
             except BaseException:
                 self.invalidate()
                 raise
+            finally:
+                self._cancel = None
 
     def _execute(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]], started: float) -> ScoreResult:
         if not self.prefix_cache:
@@ -864,6 +942,7 @@ class Engine:
         for index, qplan in enumerate(plan.questions):
             if cancel is not None and cancel():
                 raise Cancelled(index, len(plan.questions))
+            self._cancel_progress, self._unchecked_tokens = (index, len(plan.questions)), 0
             q_started = time.perf_counter()
             dist, memo_tokens = self._score_question(plan, qplan, prefix)
             if qplan.reversed is not None and qplan.reversed.own_prefix_segments is None:
@@ -876,6 +955,7 @@ class Engine:
         if plan.injection_check is not None:
             if cancel is not None and cancel():
                 raise Cancelled(len(plan.questions), len(plan.questions))
+            self._cancel_progress, self._unchecked_tokens = (len(plan.questions), len(plan.questions)), 0
             injection_suspected, check_evaluated, check_memo = self._injection_check(plan, prefix)
             evaluated += check_evaluated
             memo_suffix_tokens += check_memo
@@ -883,6 +963,7 @@ class Engine:
         # state), so it runs last, after everything that reuses the given order's prefix.
         for index, qplan in enumerate(plan.questions):
             if qplan.reversed is not None and qplan.reversed.own_prefix_segments is not None:
+                self._cancel_progress = (index, len(plan.questions))
                 q_started = time.perf_counter()
                 given = distributions[index]
                 evaluated -= given.evaluated_tokens

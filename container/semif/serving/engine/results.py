@@ -15,7 +15,8 @@ from .prompt import TEMPLATE_VERSION
 
 class Cancelled(EngineError):
     """The caller's ``cancel`` hook said stop (deadline passed, client gone). Raised between
-    questions: the context and its bookkeeping stay consistent and keep what was evaluated."""
+    questions, or between two batches of a long segment (that segment is then dropped): the context
+    and its bookkeeping stay consistent and keep the complete segments evaluated."""
 
     code = "cancelled"
 
