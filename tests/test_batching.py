@@ -140,9 +140,11 @@ def test_requests_with_different_states_share_one_decode_and_each_gets_its_own_a
     # logits the model computed (the small model's probabilities are too close to chance to tell states apart;
     # its logits are not). The pair is chosen so that the two serial answers lie far more than twice the
     # drift apart, and that is asserted, not assumed: the check below always runs.
-    pair = [STATES[1], STATES[3]]
-    own = [np.asarray(_serial(engine, s, [ROUTE]).distributions[0].option_logits) for s in pair]
-    assert np.max(np.abs(own[0] - own[1])) > 2 * LOGIT_DRIFT, "the two states no longer give answers a swap would change"
+    alone = {s: np.asarray(_serial(engine, s, [ROUTE]).distributions[0].option_logits) for s in STATES}
+    pair = max(((a, b) for i, a in enumerate(STATES) for b in STATES[i + 1:]),
+               key=lambda ab: float(np.max(np.abs(alone[ab[0]] - alone[ab[1]]))))
+    own = [alone[s] for s in pair]
+    assert np.max(np.abs(own[0] - own[1])) > 2 * LOGIT_DRIFT, "no two states give answers a swap would change"
     batched.invalidate()
     got = [np.asarray(r.distributions[0].option_logits) for r in execute_batch(batched, [batched.plan(s, [ROUTE]) for s in pair])]
     for k in range(2):

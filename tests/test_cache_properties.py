@@ -150,7 +150,7 @@ def test_two_hot_states_alternating_with_room_for_one_snapshot_all_answer_200_eq
 
     _reset(hot, snapshot_bytes=_room(snapshot_sizes, 1))
     order = [0, 1] * 4
-    restores = hot.prefix_restores
+    restores, failures = hot.prefix_restores, hot.prefix_snapshot_failures
     settings_ = make_settings(model_path, prefix_cache_mb=hot.prefix_cache_bytes / (1 << 20))
     with TestClient(create_app(settings_, hot), raise_server_exceptions=False) as warm_client, \
             TestClient(create_app(make_settings(model_path), cold), raise_server_exceptions=False) as cold_client:
@@ -167,7 +167,7 @@ def test_two_hot_states_alternating_with_room_for_one_snapshot_all_answer_200_eq
     # request 4 does. From request 4 on, every request restores its state (an engine that stopped
     # restoring would answer 200 too, by evaluating).
     assert hot.prefix_restores - restores == len(order) - 4
-    assert hot.prefix_snapshot_failures == 0
+    assert hot.prefix_snapshot_failures == failures  # (the module's engine also runs the failure-injection tests)
 
 
 # ---- a snapshot copy that fails mid-way --------------------------------------------------------------
