@@ -325,7 +325,9 @@ def test_typesafe_sdk_parses_every_answer_type_from_the_live_adapter(start_serve
 
 def test_default_settings_answer_a_choice_of_255_described_options(start_serve):
     # jevcompat's largest choice: 2 to 255 options is a MUST. No SEMIF_N_CTX: the default must hold it.
-    server = start_serve(SEMIF_N_THREADS=1)  # one thread: spinning OpenMP workers crawl on a shared 2-core box
+    # One thread: spinning OpenMP workers crawl on a shared 2-core box. The deadline is raised: this checks
+    # what the context holds, and the ~6k-token prompt can take longer than the default 50 s on a loaded machine.
+    server = start_serve(SEMIF_N_THREADS=1, SEMIF_REQUEST_DEADLINE_S=600)
     criteria = {f"Queue {i}": f"Tickets about product area number {i}, its billing and its setup." for i in range(255)}
     question = {"type": "choice", "instructions": "Which queue should handle this ticket?", "criteria": criteria}
     response = httpx.post(server.base_url + "/v1/systemone", json={"state": TICKET, "questions": {"q": question}}, timeout=600)
