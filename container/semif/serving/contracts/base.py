@@ -8,14 +8,21 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.context import ScoreResult
+from ..engine.plan import SecondLook
 from ..engine.prompt import Question
 
 
 MAX_ECHO = 200  # an error never repeats more of the client's input than this many characters
 ECHO_PART = 64  # one echoed value (an id, a type name, a key) inside a message or a field path
+# The second look's budget: reasoning tokens and wall time, per question (engine.plan.SecondLook).
+DEFAULT_SECOND_LOOK_TOKENS = 128
+MAX_SECOND_LOOK_TOKENS = 1024
+DEFAULT_SECOND_LOOK_DEADLINE_MS = 20_000
+MAX_SECOND_LOOK_DEADLINE_MS = 120_000
+DEFAULT_SECOND_LOOK_MARGIN = 0.2  # a first pass whose top two options lie closer than this looks again
 
 
 def excerpt(value: Any, limit: int = ECHO_PART) -> str:
@@ -113,6 +120,9 @@ class Job:
     layout: Optional[str] = None
     injection_check: Optional[bool] = None
     layout_field: str = "layout"
+    # The second look for ambiguous answers (engine.plan.SecondLook), when the request or its policy asks.
+    second_look: Optional[SecondLook] = None
+    second_look_field: str = "second_look"
 
 
 def resolve_layout(job: Job, default: str) -> str:
@@ -193,3 +203,35 @@ def first_validation_error(exc: ValidationError, code: str = "invalid_request") 
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     return RequestError(422, code, f"{field_path}: {excerpt(message, MAX_ECHO)}", field=field_path)
+
+
+class SecondLookSpec(BaseModel):
+    """`second_look` in a request: `{"below_margin", "below_probability", "below_label_mass", "max_tokens",
+    "deadline_ms"}`. A first-pass answer below any threshold gets a second look; with no threshold given,
+    `below_margin` is DEFAULT_SECOND_LOOK_MARGIN. In a policy the thresholds are the policy's own
+    (`min_probability`, `min_margin`, `min_label_mass`): an answer the policy would not accept looks again."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    below_probability: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    below_margin: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    below_label_mass: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    max_tokens: int = Field(default=DEFAULT_SECOND_LOOK_TOKENS, ge=1, le=MAX_SECOND_LOOK_TOKENS)
+    deadline_ms: int = Field(default=DEFAULT_SECOND_LOOK_DEADLINE_MS, ge=1, le=MAX_SECOND_LOOK_DEADLINE_MS)
+
+    def config(self, policy: Optional[dict] = None) -> SecondLook:
+        thresholds = ((policy.get("min_probability"), policy.get("min_margin"), policy.get("min_label_mass"))
+                      if policy is not None else (self.below_probability, self.below_margin, self.below_label_mass))
+        if all(t is None for t in thresholds):
+            thresholds = (None, DEFAULT_SECOND_LOOK_MARGIN, None)
+        probability, margin, mass = (t or 0.0 for t in thresholds)
+        return SecondLook(below_probability=probability, below_margin=margin, below_label_mass=mass,
+                          max_tokens=self.max_tokens, deadline_s=self.deadline_ms / 1000)
+
+
+class SecondLookBudget(BaseModel):
+    """`second_look` inside a policy: only the budget; the thresholds are the policy's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    max_tokens: int = Field(default=DEFAULT_SECOND_LOOK_TOKENS, ge=1, le=MAX_SECOND_LOOK_TOKENS)
+    deadline_ms: int = Field(default=DEFAULT_SECOND_LOOK_DEADLINE_MS, ge=1, le=MAX_SECOND_LOOK_DEADLINE_MS)
+

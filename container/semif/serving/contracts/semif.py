@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..engine.context import ScoreResult
 from ..engine.prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
 from ..postprocess.policy import Policy, PolicyError
-from .base import (Job, Limits, RequestError, RunContext, excerpt, first_validation_error, option_description_problem,
-                   option_id_problem, resolve_layout)
+from .base import (Job, Limits, RequestError, RunContext, SecondLookBudget, SecondLookSpec, excerpt, first_validation_error,
+                   option_description_problem, option_id_problem, resolve_layout)
 
 NAME = "semif"
 _MAX_TEXT = 200_000
@@ -77,6 +77,8 @@ class AbstentionPolicy(_Strict):
     min_label_mass: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     fallback: Optional[str] = Field(default=None, min_length=1, max_length=256)
     max_injection: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    # A second look for the answers this policy would not accept, within this budget (contracts/base.py).
+    second_look: Optional[SecondLookBudget] = None
 
 
 class SingleDecision(DecisionQuestion):
@@ -93,6 +95,8 @@ class SingleRequest(_Strict):
     # Order debiasing: "reverse" scores each decision in the given and the reversed option order and
     # combines both; None takes the server default (SEMIF_DEBIAS).
     debias: Optional[Literal["none", "reverse"]] = None
+    # Opt-in: the model reasons within a budget before the label is read again, for ambiguous answers.
+    second_look: Optional[SecondLookSpec] = None
 
 
 class BatchRequest(_Strict):
@@ -106,6 +110,8 @@ class BatchRequest(_Strict):
     # Order debiasing: "reverse" scores each decision in the given and the reversed option order and
     # combines both; None takes the server default (SEMIF_DEBIAS).
     debias: Optional[Literal["none", "reverse"]] = None
+    # Opt-in: the model reasons within a budget before the label is read again, for ambiguous answers.
+    second_look: Optional[SecondLookSpec] = None
 
     @model_validator(mode="after")
     def _unique_decision_ids(self) -> "BatchRequest":
@@ -198,8 +204,7 @@ def parse(body: Any, limits: Limits) -> Job:
                 if dist.orders is not None:
                     # Each order's own answer (outcomes in the given order), before they were combined.
                     prompt["orders"] = dist.orders
-            results.append(
-                {
+            entry = {
                     "id": decision.id,
                     "option_ids": [o.id for o in decision.options],
                     "probabilities": probabilities,
@@ -217,7 +222,10 @@ def parse(body: Any, limits: Limits) -> Job:
                     },
                     "model": _model_record(run, dist.scoring),
                 }
-            )
+            # Which pass decided, and the first pass's answer, when the request asked for a second look.
+            if getattr(dist, "second_look", None) is not None:
+                entry["second_look"] = dist.second_look
+            results.append(entry)
             # Set by the HTTP layer's postprocessor (semif/serving/postprocess/policy.py) when a calibration or policy applies.
             if getattr(dist, "calibration", None) is not None:
                 results[-1]["calibration"] = dist.calibration
@@ -258,8 +266,14 @@ def parse(body: Any, limits: Limits) -> Job:
         debias=request.debias,
     )
     resolve_layout(job, "state_first")  # an explicit options_first with several decisions: 422 now
+    if request.second_look is not None:
+        job.second_look = request.second_look.config()
     if request.policy is not None:
-        policy = request.policy.model_dump(exclude_none=True)
+        policy = request.policy.model_dump(exclude_none=True, exclude={"second_look"})
+        if request.policy.second_look is not None and job.second_look is None:
+            budget = request.policy.second_look
+            job.second_look = SecondLookSpec(max_tokens=budget.max_tokens, deadline_ms=budget.deadline_ms).config(policy)
+            job.second_look_field = "policy.second_look"
         try:  # the policy module's own rules, checked now: never after the model has done the work
             Policy.from_mapping(policy)
         except PolicyError as exc:

@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from ..engine.context import Distribution, ScoreResult
 from ..engine.prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
-from .base import (MAX_ECHO, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt, option_description_problem,
+from .base import (MAX_ECHO, Job, JsonTextBudget, Limits, RequestError, RunContext, SecondLookSpec, excerpt, option_description_problem,
                    option_id_problem)
 
 NAME = "systemone"
@@ -84,6 +84,8 @@ class SystemOneRequest(_Lenient):
     injection_check: Optional[bool] = None
     # Our extension: order debiasing ("none" | "reverse"); absent: the server default (SEMIF_DEBIAS).
     debias: Optional[Literal["none", "reverse"]] = None
+    # Our extension: the opt-in second look for ambiguous answers (contracts/base.py, SecondLookSpec).
+    second_look: Optional[SecondLookSpec] = None
 
 
 def matches(body: Any) -> bool:
@@ -289,12 +291,15 @@ def parse(body: Any, limits: Limits) -> Job:
         layout=request.layout,
         injection_check=request.injection_check,
         debias=request.debias,
+        second_look=request.second_look.config() if request.second_look is not None else None,
     )
 
 
 def _answer(q: Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], dist: Distribution, opt_hash: str) -> dict:
     probabilities = dist.probabilities
     extras = {"x_option_logits": dist.option_logits, "x_options_sha256": opt_hash}
+    if getattr(dist, "second_look", None) is not None:
+        extras["x_second_look"] = dist.second_look  # which pass decided, and the first pass's answer
     if isinstance(q, NoulQuestion):
         return {"type": "noul", "noul": probabilities[0], **extras}
     if isinstance(q, ChoiceQuestion):

@@ -104,6 +104,7 @@ def batchable(engine, plan: PromptPlan) -> bool:
         # Order debiasing, the injection check and native temperatures take the serial path: a batched
         # step reads one label row per question from one shared prefix.
         and plan.injection_check is None
+        and plan.second_look is None
         and all(q.reversed is None and q.temperature is None and q.own_prefix_segments is None for q in plan.questions)
     )
 

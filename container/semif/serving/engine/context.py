@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -25,8 +25,9 @@ import numpy as np
 
 from .manifest import sha256_file
 from .native import NativeDecision, ScoringUnsupported, build_native_plan, read_native_decision
-from .plan import DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, TokenBudgetExceeded, build_plan
-from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
+from .plan import (DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, SecondLook,
+                   SecondLookUnsupported, TokenBudgetExceeded, _question_tokens, build_plan)
+from .prompt import SECOND_LOOK_CUE, SECOND_LOOK_VERSION, Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
 from .results import Cancelled, Distribution, ScoreResult, softmax
 
 __all__ = ["Cancelled", "Distribution", "Engine", "EngineError", "LabelError", "PlanError", "PromptPlan",
@@ -481,10 +482,26 @@ class Engine:
         injection_check: bool = False,
         layout_field: str = "layout",
         debias: Optional[str] = None,
+        second_look: Optional[SecondLook] = None,
+        second_look_field: str = "second_look",
     ) -> PromptPlan:
         """Everything per request that does not need the context: fencing, tokens, labels, length and
         budget checks. Safe to call from any thread while the model thread computes: llama.cpp's
-        tokenizer only reads the vocabulary. ``layout`` and ``injection_check``: see plan.build_plan."""
+        tokenizer only reads the vocabulary. ``layout`` and ``injection_check``: see plan.build_plan.
+        ``second_look``: see plan.SecondLook (label scoring only; its worst case counts in the budget)."""
+        if second_look is not None:
+            planned = self.plan(state_text, questions, scoring=scoring, return_prompt=return_prompt,
+                                state_field=state_field, question_fields=question_fields,
+                                question_names=question_names, budget_field=budget_field, max_request_tokens=None,
+                                layout=layout, injection_check=injection_check, layout_field=layout_field, debias=debias)
+            if planned.scoring != "label" or self.native is not None:
+                raise SecondLookUnsupported("the second look reads labels: it needs label scoring on a chat model",
+                                            field=second_look_field)
+            # Worst case: every question looks again, with its question text once more and the whole budget.
+            extra = sum(len(q.suffix_tokens) + second_look.max_tokens + 8 for q in planned.questions)
+            if max_request_tokens is not None and planned.worst_case_tokens + extra > max_request_tokens:
+                raise TokenBudgetExceeded(planned.worst_case_tokens + extra, max_request_tokens, field=budget_field)
+            return replace(planned, second_look=second_look)
         scoring = scoring or self.default_scoring
         if scoring not in ("label", "sequence"):
             raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
@@ -906,10 +923,11 @@ class Engine:
         layout: str = "state_first",
         injection_check: bool = False,
         debias: Optional[str] = None,
+        second_look: Optional[SecondLook] = None,
     ) -> ScoreResult:
         """Plan and execute in one call (tools and tests; the HTTP layer plans before admission)."""
         planned = self.plan(state_text, questions, scoring=scoring, return_prompt=return_prompt, layout=layout,
-                            injection_check=injection_check, debias=debias)
+                            injection_check=injection_check, debias=debias, second_look=second_look)
         return self.execute(planned, cancel=cancel)
 
     def execute(self, plan: PromptPlan, *, cancel: Optional[Callable[[], bool]] = None) -> ScoreResult:
@@ -972,6 +990,11 @@ class Engine:
                 evaluated += dist.evaluated_tokens
                 memo_suffix_tokens += memo_tokens
                 distributions[index] = dist
+        if plan.second_look is not None:
+            for index, qplan in enumerate(plan.questions):
+                distributions[index] = self._second_look(plan, qplan, prefix, distributions[index], cancel)
+                if distributions[index].second_look.get("ran"):
+                    evaluated += distributions[index].second_look["evaluated_tokens"]
         for dist in distributions:
             dist.injection_suspected = injection_suspected
         # Honest reuse: the state prefix counts as cached only up to the first position this request
@@ -1067,6 +1090,87 @@ class Engine:
             orders=orders,
         )
         return dist, memo_tokens + back_memo
+
+    def _second_look(self, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], first: Distribution,
+                     cancel: Optional[Callable[[], bool]]) -> Distribution:
+        """The second look (plan.SecondLook) at one answer: nothing when the first pass is clear; else greedy
+        reasoning from the same prefix within the token budget and deadline, then the labels read after
+        SECOND_LOOK_CUE. The client going away or the request deadline ends the reasoning early (the label
+        is still read: a few tokens). The context keeps the prefix; the label memo is not used."""
+        config = plan.second_look
+        reason = config.reason(first.probabilities, first.label_mass)
+        if reason is None:
+            first.second_look = {"ran": False, "decided_by": "first_pass"}
+            return first
+        started = time.perf_counter()
+        deadline = started + config.deadline_s
+        template = self.template
+        block, tail = template.second_look_suffix_parts(qplan.question, list(qplan.labels), list(qplan.order), plan.layout)
+        if template.between and not qplan.pieces[0].text.startswith(template.between) and block.startswith(template.between):
+            block = block[len(template.between):]  # the prefix took the blank line after the state (plan._join_across)
+        block_tokens, tail_tokens = _question_tokens(self._tokenize, plan.prefix_text, block, tail)
+        suffix = list(block_tokens) + list(tail_tokens)
+        cue = self._tokenize(SECOND_LOOK_CUE, special=False)
+        base = sum(len(s) for s in prefix) + len(suffix)
+        budget = min(config.max_tokens, self.n_ctx - base - len(cue))
+        if budget < 0:
+            first.second_look = {"ran": False, "decided_by": "first_pass", "reason": reason,
+                                 "stopped": "context", "version": SECOND_LOOK_VERSION}
+            return first
+        variants = [list(v) for v in first.label_variant_ids or [(t,) for t in first.label_token_ids]]
+        stop_tokens = {self.end_of_turn_token, self.llm.token_eos()}
+        self._ensure_prefix(prefix)
+        outer_cancel, self._cancel = self._cancel, None  # this loop asks the hook itself, per token
+        try:
+            rows, reused, evaluated = self._forward(prefix + [suffix], [base - 1])
+            row, position = rows[base - 1], base - 1
+            generated: list[int] = []
+            text = ""
+            stopped = "budget"
+            while True:
+                if len(generated) >= budget:
+                    stopped = "budget"
+                    break
+                if time.perf_counter() >= deadline:
+                    stopped = "deadline"
+                    break
+                if cancel is not None and cancel():
+                    stopped = "cancelled"
+                    break
+                token = int(np.argmax(row))
+                if token in stop_tokens or self._lc.llama_vocab_is_eog(self._lc.llama_model_get_vocab(self._model), token):
+                    stopped = "end_of_turn"
+                    break
+                generated.append(token)
+                position += 1
+                row = self._decode([token], {position})[position]
+                evaluated += 1
+                text += self._piece(token)
+                if text.rstrip().endswith("Answer:"):
+                    stopped = "answer"
+                    break
+            if stopped != "answer":
+                position += len(cue)
+                row = self._decode(cue, {position})[position]
+                evaluated += len(cue)
+            logits, label_mass = _label_logits(row, variants)
+        finally:
+            self._cancel = outer_cancel
+            self._rewind(len(prefix))
+        probabilities = softmax(logits)
+        return Distribution(
+            option_logits=logits, probabilities=probabilities, tokens=first.tokens, cached_tokens=first.cached_tokens,
+            evaluated_tokens=first.evaluated_tokens + evaluated, scoring="label", label_token_ids=first.label_token_ids,
+            labels=first.labels, prompt_text=first.prompt_text, label_mass=label_mass, label_variant_ids=variants,
+            debias=first.debias, orders=first.orders, compute_ms=first.compute_ms,
+            second_look={
+                "ran": True, "decided_by": "second_look", "reason": reason, "version": SECOND_LOOK_VERSION,
+                "first_pass": {"probabilities": first.probabilities, "option_logits": first.option_logits,
+                               "label_mass": first.label_mass},
+                "reasoning": text, "reasoning_tokens": len(generated), "stopped": stopped,
+                "evaluated_tokens": evaluated, "ms": round((time.perf_counter() - started) * 1000, 3),
+            },
+        )
 
     def _ensure_prefix(self, prefix: list[list[int]]) -> None:
         """For models that cannot rewind partially: bring the context to exactly the state prefix and

@@ -68,6 +68,13 @@ class LabelError(PlanError):
     code = "unsupported_options"
 
 
+class SecondLookUnsupported(LabelError):
+    """A second look asked of scoring that reads no labels after generated text (sequence scoring, a
+    native decision model): a 422 naming the request's `second_look`."""
+
+    code = "unsupported_second_look"
+
+
 @dataclass(frozen=True)
 class Piece:
     """One run of prompt text and its tokens. ``special_tokens``: whether the text was tokenized with
@@ -130,6 +137,32 @@ class QuestionPlan:
 
 
 @dataclass(frozen=True)
+class SecondLook:
+    """The second look for ambiguous decisions (opt-in per request or per policy): when the first pass's
+    top probability, margin or label mass is below its threshold, the model reasons greedily for at most
+    ``max_tokens`` tokens and ``deadline_s`` seconds from the same prefix, then the label is read again.
+    The first pass's answer stays in the result; the second pass's decides."""
+
+    below_probability: float = 0.0
+    below_margin: float = 0.0
+    below_label_mass: float = 0.0
+    max_tokens: int = 128
+    deadline_s: float = 20.0
+
+    def reason(self, probabilities: Sequence[float], label_mass: Optional[float]) -> Optional[str]:
+        """Why the first pass is ambiguous (the first threshold it misses), or None: no second look."""
+        ranked = sorted(probabilities, reverse=True)
+        top, margin = ranked[0], ranked[0] - (ranked[1] if len(ranked) > 1 else 0.0)
+        if top < self.below_probability:
+            return f"probability {top:.3f} < {self.below_probability}"
+        if margin < self.below_margin:
+            return f"margin {margin:.3f} < {self.below_margin}"
+        if label_mass is not None and label_mass < self.below_label_mass:
+            return f"label mass {label_mass:.3f} < {self.below_label_mass}"
+        return None
+
+
+@dataclass(frozen=True)
 class PromptPlan:
     state_text: str
     scoring: str
@@ -158,6 +191,8 @@ class PromptPlan:
     # 0.81x the time of a routing decision in-process (docs/benchmarks.md). Decided by the request alone, never by the cache, so the answer does not
     # depend on what the context happened to hold (the exactness rule in engine.py).
     fuse_state_and_question: bool = False
+    # The second look, when asked for (label scoring only): Engine.execute runs it on ambiguous answers.
+    second_look: Optional[SecondLook] = None
 
     @property
     def prefix_text(self) -> str:

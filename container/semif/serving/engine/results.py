@@ -58,6 +58,9 @@ class Distribution:
     # (the segments as decoded, the logits positions, the numerics settings): docs/adapter.md, "Recomputing
     # an answer". None on the batched path, whose answers depend on the other questions in the batch.
     recompute: Optional[dict] = None
+    # With a second look asked for: {"ran", "decided_by", and when it ran "reason", "first_pass",
+    # "reasoning", "reasoning_tokens", "stopped", "evaluated_tokens", "ms"} (Engine._second_look).
+    second_look: Optional[dict] = None
 
 
 @dataclass

@@ -77,7 +77,8 @@ class DecisionService:
         if needs_injection_check(getattr(job, "policy", None), self.decision_postprocessor.default_policy):
             check = True
         return {"layout": resolve_layout(job, self.settings.layout), "injection_check": check,
-                "layout_field": job.layout_field}
+                "layout_field": job.layout_field, "second_look": job.second_look,
+                "second_look_field": job.second_look_field}
 
     async def read_body(self, request: Request) -> Any:
         """The parsed JSON body, read once per request: /invocations peeks at it to pick chat or decisions

@@ -42,7 +42,10 @@ class DecisionPostprocessor:
             dist.calibration = None
             unmet: list[str] = []
             if self.calibration is not None:
-                kind = FitKind(dist.scoring, layout, getattr(dist, "debias", "none") or "none")
+                debias = getattr(dist, "debias", "none") or "none"
+                if (getattr(dist, "second_look", None) or {}).get("decided_by") == "second_look":
+                    debias = "second_look"  # logits read after reasoning: no fit was measured on those
+                kind = FitKind(dist.scoring, layout, debias)
                 probabilities, dist.calibration = self.calibration.calibrate(
                     dist.option_logits, kind=kind, decision_id=decision_id, options_sha256=options_hash
                 )

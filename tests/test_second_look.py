@@ -1,0 +1,194 @@
+"""The second look (opt-in): for an ambiguous first pass the model reasons within a token budget and a
+deadline, then the label is read again. Runs only when asked, respects its budget, deadline and the
+client going away, reports both passes, leaves the context as a plain request finds it, and refuses a
+bad spec with a 422 naming the field. All on the embedded model through real llama.cpp."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from serving import start_cold
+
+# Each answer is compared with a cold evaluation of the same question: a memo hit would compare it with itself.
+pytestmark = pytest.mark.usefixtures("memo_off")
+
+TICKET = ("I was charged twice for my March invoice and the refund I was promised last week still hasn't "
+          "arrived. Please fix this today.")
+DECISION = {"id": "route", "state": TICKET, "question": "Which team should handle this ticket?",
+            "options": [{"id": "billing", "description": "Payments, invoices, refunds"},
+                        {"id": "technical", "description": "Bugs and outages"},
+                        {"id": "sales", "description": "New purchases and upgrades"}]}
+ALWAYS = {"below_margin": 1.0}  # no first pass is this clear: every answer looks again
+
+
+def semif(client, **extra):
+    response = client.post("/v1/semif", json={"decision": DECISION, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_nothing_runs_unless_asked(client):
+    plain = semif(client)
+    assert "second_look" not in plain
+    # Asked, but the first pass is clear enough: it decides, and the answer is the plain one.
+    clear = semif(client, second_look={"below_margin": 0.0})
+    assert clear["second_look"] == {"ran": False, "decided_by": "first_pass"}
+    assert clear["probabilities"] == pytest.approx(plain["probabilities"], abs=1e-5)
+    # Nothing generated: the same prompt, and no more evaluated than its question (the state is cached now).
+    assert clear["prompt"]["tokens"] == plain["prompt"]["tokens"]
+    assert clear["prompt"]["evaluated_tokens"] <= plain["prompt"]["tokens"] - clear["prompt"]["cached_tokens"]
+
+
+def test_second_look_reports_both_passes(client, engine):
+    plain = semif(client)
+    body = semif(client, second_look={**ALWAYS, "max_tokens": 24})
+    look = body["second_look"]
+    assert look["ran"] is True and look["decided_by"] == "second_look"
+    assert look["reason"].startswith("margin ")
+    assert look["version"] == "semif-second-look-v1"
+    # The first pass is the plain request's answer, kept as it was.
+    assert look["first_pass"]["probabilities"] == pytest.approx(plain["probabilities"], abs=1e-5)
+    assert look["first_pass"]["option_logits"] == pytest.approx(plain["option_logits"], abs=1e-4)
+    # The served answer is the second pass's: a distribution over the same options, read after reasoning.
+    assert math.isclose(sum(body["probabilities"]), 1.0, abs_tol=1e-6)
+    assert body["choice"] == DECISION["options"][max(range(3), key=lambda i: body["probabilities"][i])]["id"]
+    assert body["option_logits"] != pytest.approx(plain["option_logits"], abs=1e-3)
+    assert 1 <= look["reasoning_tokens"] <= 24 and look["reasoning"].strip()
+    assert look["stopped"] in ("budget", "answer", "end_of_turn")
+    assert body["prompt"]["evaluated_tokens"] >= plain["prompt"]["evaluated_tokens"] + look["reasoning_tokens"]
+    assert look["evaluated_tokens"] >= look["reasoning_tokens"]
+    # Greedy and from the same prefix: the same request gives the same second look.
+    again = semif(client, second_look={**ALWAYS, "max_tokens": 24})
+    assert again["second_look"]["reasoning"] == look["reasoning"]
+    assert again["probabilities"] == pytest.approx(body["probabilities"], abs=1e-4)
+    # The context is left as a plain request finds it: the next plain answer equals a cold one.
+    after = semif(client)
+    assert after["probabilities"] == pytest.approx(plain["probabilities"], abs=1e-5)
+    start_cold(engine)
+    cold = semif(client)
+    assert cold["probabilities"] == pytest.approx(plain["probabilities"], abs=1e-4)
+
+
+def test_token_budget_is_respected(client):
+    for budget in (1, 3):
+        look = semif(client, second_look={**ALWAYS, "max_tokens": budget})["second_look"]
+        assert look["ran"] and look["reasoning_tokens"] <= budget
+        if look["stopped"] == "budget":
+            assert look["reasoning_tokens"] == budget
+
+
+def test_deadline_is_respected(client):
+    body = semif(client, second_look={**ALWAYS, "max_tokens": 1024, "deadline_ms": 1})
+    look = body["second_look"]
+    assert look["ran"] and look["stopped"] == "deadline"
+    assert look["reasoning_tokens"] <= 1
+    # Reading the label after the deadline costs a forward pass or two, not the 1024-token budget.
+    assert look["ms"] < 5_000
+    assert math.isclose(sum(body["probabilities"]), 1.0, abs_tol=1e-6)
+
+
+def test_client_going_away_ends_the_reasoning(engine):
+    from semif.serving.engine.plan import SecondLook
+    from semif.serving.engine.prompt import Outcome, Question
+
+    question = Question(DECISION["question"], tuple(Outcome(o["id"], o["description"]) for o in DECISION["options"]))
+    calls = [0]
+
+    def counting():
+        calls[0] += 1
+        return False
+
+    engine.score(TICKET, [question], cancel=counting)
+    first_pass_calls = calls[0]
+    calls[0] = 0
+    limit = first_pass_calls + 2  # the first pass runs whole; the reasoning sees two tokens, then the client is gone
+
+    def going_away():
+        calls[0] += 1
+        return calls[0] > limit
+
+    result = engine.score(TICKET, [question], cancel=going_away, second_look=SecondLook(below_margin=1.0, max_tokens=64))
+    look = result.distributions[0].second_look
+    assert look["stopped"] == "cancelled" and look["reasoning_tokens"] == 2
+    # Still a consistent context: a plain answer afterwards equals a cold one.
+    plain = engine.score(TICKET, [question]).distributions[0].probabilities
+    start_cold(engine)
+    cold = engine.score(TICKET, [question]).distributions[0].probabilities
+    assert plain == pytest.approx(cold, abs=1e-4)
+
+
+def test_policy_asks_for_a_second_look_below_its_own_thresholds(client):
+    body = semif(client, policy={"min_margin": 1.0, "fallback": "human", "second_look": {"max_tokens": 4}})
+    look = body["second_look"]
+    assert look["ran"] and look["reason"].startswith("margin ") and look["reasoning_tokens"] <= 4
+    assert body["action"] in ("accept", "fallback", "abstain", "review")
+    # A policy whose thresholds every answer meets never looks again.
+    clear = semif(client, policy={"min_margin": 0.0, "second_look": {"max_tokens": 4}})
+    assert clear["second_look"]["ran"] is False
+
+
+def test_batch_request_looks_at_each_decision(client):
+    decisions = [{k: v for k, v in DECISION.items() if k != "state"},
+                 {"id": "refund", "question": "Does the customer ask for money back?",
+                  "options": [{"id": "yes"}, {"id": "no"}]}]
+    response = client.post("/v1/semif", json={"state": TICKET, "decisions": decisions,
+                                              "second_look": {**ALWAYS, "max_tokens": 6}})
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert [r["second_look"]["ran"] for r in results] == [True, True]
+    assert all(r["second_look"]["reasoning_tokens"] <= 6 for r in results)
+
+
+def test_system_one_reports_the_second_look(client):
+    question = {"type": "choice", "instructions": DECISION["question"],
+                "criteria": {o["id"]: o["description"] for o in DECISION["options"]}}
+    response = client.post("/v1/systemone", json={"state": TICKET, "questions": {"team": question},
+                                                  "second_look": {**ALWAYS, "max_tokens": 4}})
+    assert response.status_code == 200, response.text
+    answer = response.json()["answers"]["team"]
+    look = answer["x_second_look"]
+    assert look["ran"] and look["decided_by"] == "second_look" and look["reasoning_tokens"] <= 4
+    assert len(look["first_pass"]["probabilities"]) == 3
+    assert math.isclose(sum(answer["probabilities"].values()), 1.0, abs_tol=1e-6)
+    assert answer["choice"] in question["criteria"]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"decision": DECISION, "second_look": {"max_tokens": 0}}, "second_look.max_tokens"),
+    ({"decision": DECISION, "second_look": {"max_tokens": 10**6}}, "second_look.max_tokens"),
+    ({"decision": DECISION, "second_look": {"deadline_ms": 0}}, "second_look.deadline_ms"),
+    ({"decision": DECISION, "second_look": {"below_margin": 2}}, "second_look.below_margin"),
+    ({"decision": DECISION, "second_look": {"think": True}}, "second_look.think"),
+    ({"decision": DECISION, "second_look": "yes"}, "second_look"),
+    ({"decision": DECISION, "policy": {"min_margin": 0.5, "second_look": {"below_margin": 0.5}}},
+     "policy.second_look.below_margin"),
+    ({"decision": DECISION, "scoring": "sequence", "second_look": {}}, "second_look"),
+])
+def test_bad_spec_is_a_422_naming_the_field(client, body, field):
+    response = client.post("/v1/semif", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == field
+    if field == "second_look" and body.get("scoring"):
+        assert response.json()["error"]["code"] == "unsupported_second_look"
+    assert client.get("/ping").status_code == 200
+
+
+def test_system_one_bad_spec_names_the_field(client):
+    response = client.post("/v1/systemone", json={"state": TICKET, "questions": {"q": {
+        "type": "noul", "instructions": "Refund?"}}, "second_look": {"max_tokens": -1}})
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["body", "second_look", "max_tokens"]
+
+
+def test_worst_case_counts_in_the_token_budget(engine):
+    from semif.serving.engine.plan import SecondLook, TokenBudgetExceeded
+    from semif.serving.engine.prompt import Outcome, Question
+
+    question = Question(DECISION["question"], tuple(Outcome(o["id"], o["description"]) for o in DECISION["options"]))
+    plain = engine.plan(TICKET, [question])
+    room = plain.worst_case_tokens + 50
+    engine.plan(TICKET, [question], max_request_tokens=room)  # fits without the second look
+    with pytest.raises(TokenBudgetExceeded):
+        engine.plan(TICKET, [question], max_request_tokens=room, second_look=SecondLook(below_margin=1.0, max_tokens=64))
