@@ -80,20 +80,32 @@ def test_token_budget_is_respected(client):
 
 
 def test_deadline_is_respected(client):
+    plain = semif(client)
     body = semif(client, second_look={**ALWAYS, "max_tokens": 1024, "deadline_ms": 1})
     look = body["second_look"]
-    assert look["ran"] and look["stopped"] == "deadline"
-    assert look["reasoning_tokens"] <= 1
-    # Reading the label after the deadline costs a forward pass or two, not the 1024-token budget.
-    assert look["ms"] < 5_000
-    assert math.isclose(sum(body["probabilities"]), 1.0, abs_tol=1e-6)
+    # Nothing could be reasoned within 1 ms: the first pass decides, and says why.
+    assert look["stopped"] == "deadline" and look["reasoning_tokens"] == 0
+    assert look["ran"] is False and look["decided_by"] == "first_pass"
+    assert body["probabilities"] == pytest.approx(plain["probabilities"], abs=1e-5)
+    assert look["ms"] < 5_000  # not the 1024-token budget
+    # A deadline that allows some reasoning stops it part-way, far below the budget.
+    body = semif(client, second_look={**ALWAYS, "max_tokens": 1024, "deadline_ms": 300})
+    look = body["second_look"]
+    assert look["stopped"] in ("deadline", "answer", "end_of_turn") and look["reasoning_tokens"] < 1024
+    assert look["ms"] < 300 + 5_000
 
 
-def test_client_going_away_ends_the_reasoning(engine):
-    from semif.serving.engine.plan import SecondLook
+def _question():
     from semif.serving.engine.prompt import Outcome, Question
 
-    question = Question(DECISION["question"], tuple(Outcome(o["id"], o["description"]) for o in DECISION["options"]))
+    return Question(DECISION["question"], tuple(Outcome(o["id"], o["description"]) for o in DECISION["options"]))
+
+
+def test_client_going_away_ends_the_request(engine):
+    from semif.serving.engine.plan import SecondLook
+    from semif.serving.engine.results import Cancelled
+
+    question = _question()
     calls = [0]
 
     def counting():
@@ -109,14 +121,30 @@ def test_client_going_away_ends_the_reasoning(engine):
         calls[0] += 1
         return calls[0] > limit
 
-    result = engine.score(TICKET, [question], cancel=going_away, second_look=SecondLook(below_margin=1.0, max_tokens=64))
-    look = result.distributions[0].second_look
-    assert look["stopped"] == "cancelled" and look["reasoning_tokens"] == 2
+    with pytest.raises(Cancelled):
+        engine.score(TICKET, [question, question], cancel=going_away,
+                     second_look=SecondLook(below_margin=1.0, max_tokens=64))
+    assert calls[0] == limit + 1  # asked once more, then nothing else ran
     # Still a consistent context: a plain answer afterwards equals a cold one.
     plain = engine.score(TICKET, [question]).distributions[0].probabilities
     start_cold(engine)
     cold = engine.score(TICKET, [question]).distributions[0].probabilities
     assert plain == pytest.approx(cold, abs=1e-4)
+
+
+def test_request_deadline_ends_a_long_second_look(tmp_path, model_path, engine):
+    from starlette.testclient import TestClient
+
+    from semif.serving.http.app import create_app
+    from serving import make_settings
+
+    app = create_app(make_settings(model_path, request_deadline_s=2.0), engine)
+    decisions = [{**{k: v for k, v in DECISION.items() if k != "state"}, "id": f"d{i}"} for i in range(4)]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.post("/v1/semif", json={"state": TICKET, "decisions": decisions,
+                                                  "second_look": {**ALWAYS, "max_tokens": 1024, "deadline_ms": 120_000}})
+        assert response.status_code == 504, response.text
+        assert client.get("/ping").status_code == 200
 
 
 def test_policy_asks_for_a_second_look_below_its_own_thresholds(client):
@@ -127,6 +155,9 @@ def test_policy_asks_for_a_second_look_below_its_own_thresholds(client):
     # A policy whose thresholds every answer meets never looks again.
     clear = semif(client, policy={"min_margin": 0.0, "second_look": {"max_tokens": 4}})
     assert clear["second_look"]["ran"] is False
+    # Nor does a policy with no thresholds at all: it accepts every answer.
+    accepting = semif(client, policy={"fallback": "human", "second_look": {"max_tokens": 4}})
+    assert accepting["second_look"] == {"ran": False, "decided_by": "first_pass"}
 
 
 def test_batch_request_looks_at_each_decision(client):
@@ -149,6 +180,7 @@ def test_system_one_reports_the_second_look(client):
     assert response.status_code == 200, response.text
     answer = response.json()["answers"]["team"]
     look = answer["x_second_look"]
+    assert response.json()["usage"]["output_tokens"] == look["reasoning_tokens"]
     assert look["ran"] and look["decided_by"] == "second_look" and look["reasoning_tokens"] <= 4
     assert len(look["first_pass"]["probabilities"]) == 3
     assert math.isclose(sum(answer["probabilities"].values()), 1.0, abs_tol=1e-6)
@@ -182,13 +214,81 @@ def test_system_one_bad_spec_names_the_field(client):
     assert response.json()["detail"][0]["loc"] == ["body", "second_look", "max_tokens"]
 
 
-def test_worst_case_counts_in_the_token_budget(engine):
+@pytest.mark.parametrize("layout", ["state_first", "options_first"])
+def test_worst_case_counts_in_the_token_budget(engine, layout):
     from semif.serving.engine.plan import SecondLook, TokenBudgetExceeded
+
+    question = _question()
+    state = TICKET * 20  # a long state: options-first evaluates its last segment again
+    look = SecondLook(below_margin=1.0, max_tokens=16)
+    plain = engine.plan(state, [question], layout=layout)
+    planned = engine.plan(state, [question], layout=layout, second_look=look)
+    assert planned.worst_case_tokens > plain.worst_case_tokens + look.max_tokens
+    # Admission counts at least what the second look really evaluates, from a cold context.
+    start_cold(engine)
+    result = engine.execute(planned)
+    assert result.distributions[0].second_look["ran"]
+    assert result.evaluated_tokens <= planned.worst_case_tokens
+    engine.plan(state, [question], layout=layout, max_request_tokens=planned.worst_case_tokens, second_look=look)
+    with pytest.raises(TokenBudgetExceeded):
+        engine.plan(state, [question], layout=layout, max_request_tokens=planned.worst_case_tokens - 1, second_look=look)
+
+
+def test_reasoning_keeps_characters_that_span_tokens(engine, monkeypatch):
+    """The reasoning is decoded once, from bytes: a character split across tokens is not garbled."""
+    from semif.serving.engine.plan import SecondLook
+
+    question = _question()
+    text = "日本語 🙂 déjà"
+    tokens = engine.llm.tokenize(text.encode(), add_bos=False, special=False)
+    assert any("\ufffd" in engine.llm.detokenize([t]).decode("utf-8", errors="replace") for t in tokens)
+    written = [0]
+    real_decode = engine._decode
+
+    def decode(batch, want):  # the model "writes" the text token by token, then stops
+        rows = real_decode(batch, want)
+        if written[0] < len(tokens) and list(batch) == [tokens[written[0]]]:
+            written[0] += 1  # the token just generated: force the one after it
+        nxt = tokens[written[0]] if written[0] < len(tokens) else engine.llm.token_eos()
+        for position, row in rows.items():
+            row = row.copy()
+            row[nxt] = row.max() + 100.0
+            rows[position] = row
+        return rows
+
+    monkeypatch.setattr(engine, "_decode", decode)
+    start_cold(engine)
+    look = engine.score(TICKET, [question], second_look=SecondLook(below_margin=1.0, max_tokens=64)).distributions[0]
+    monkeypatch.undo()
+    start_cold(engine)
+    assert text in look.second_look["reasoning"]
+
+
+def test_binary_second_look_does_not_ask_for_a_bare_reply(engine):
     from semif.serving.engine.prompt import Outcome, Question
 
-    question = Question(DECISION["question"], tuple(Outcome(o["id"], o["description"]) for o in DECISION["options"]))
-    plain = engine.plan(TICKET, [question])
-    room = plain.worst_case_tokens + 50
-    engine.plan(TICKET, [question], max_request_tokens=room)  # fits without the second look
-    with pytest.raises(TokenBudgetExceeded):
-        engine.plan(TICKET, [question], max_request_tokens=room, second_look=SecondLook(below_margin=1.0, max_tokens=64))
+    question = Question("Does the customer ask for money back?", (Outcome("true"), Outcome("false")), "binary")
+    planned = engine.plan(TICKET, [question])
+    text = engine.llm.detokenize(engine._second_look_suffix(planned, planned.questions[0])).decode()
+    labels = list(planned.questions[0].labels[:2])
+    assert "Reply " not in text and "Think it through" in text and ", ".join(labels) in text
+
+
+def test_a_second_look_request_is_never_collected_with_others():
+    """The batching collector runs a plan with a second look alone, so that no other answer waits for it."""
+    import collections
+    from types import SimpleNamespace
+
+    from semif.serving.http.batch_collector import BatchCollector
+
+    collector = BatchCollector.__new__(BatchCollector)
+    collector.n_seq = 8
+
+    def waiting(look):
+        return SimpleNamespace(plan=SimpleNamespace(questions=[1], second_look=look))
+
+    plain, looking = waiting(None), waiting(object())
+    collector._pending = collections.deque([plain, plain, looking, plain])
+    assert collector._take() == [plain, plain]
+    assert collector._take() == [looking]
+    assert collector._take() == [plain]

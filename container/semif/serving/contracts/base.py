@@ -221,8 +221,8 @@ class SecondLookSpec(BaseModel):
     def config(self, policy: Optional[dict] = None) -> SecondLook:
         thresholds = ((policy.get("min_probability"), policy.get("min_margin"), policy.get("min_label_mass"))
                       if policy is not None else (self.below_probability, self.below_margin, self.below_label_mass))
-        if all(t is None for t in thresholds):
-            thresholds = (None, DEFAULT_SECOND_LOOK_MARGIN, None)
+        if all(t is None for t in thresholds) and policy is None:
+            thresholds = (None, DEFAULT_SECOND_LOOK_MARGIN, None)  # a policy without thresholds accepts all
         probability, margin, mass = (t or 0.0 for t in thresholds)
         return SecondLook(below_probability=probability, below_margin=margin, below_label_mass=mass,
                           max_tokens=self.max_tokens, deadline_s=self.deadline_ms / 1000)

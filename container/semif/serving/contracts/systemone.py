@@ -250,7 +250,10 @@ def parse(body: Any, limits: Limits) -> Job:
             **echoed,
             "model": run.served_model_name,
             "answers": answers,
-            "usage": {"input_tokens": result.input_tokens, "output_tokens": 0},
+            # Generated tokens: the second look's reasoning, when one ran; else nothing is generated.
+            "usage": {"input_tokens": result.input_tokens,
+                      "output_tokens": sum((getattr(d, "second_look", None) or {}).get("reasoning_tokens", 0)
+                                           for d in result.distributions)},
             "x_semif": {
                 "request_id": run.request_id,
                 "model_sha256": info["sha256"],

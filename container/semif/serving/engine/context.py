@@ -497,11 +497,17 @@ class Engine:
             if planned.scoring != "label" or self.native is not None:
                 raise SecondLookUnsupported("the second look reads labels: it needs label scoring on a chat model",
                                             field=second_look_field)
-            # Worst case: every question looks again, with its question text once more and the whole budget.
-            extra = sum(len(q.suffix_tokens) + second_look.max_tokens + 8 for q in planned.questions)
-            if max_request_tokens is not None and planned.worst_case_tokens + extra > max_request_tokens:
-                raise TokenBudgetExceeded(planned.worst_case_tokens + extra, max_request_tokens, field=budget_field)
-            return replace(planned, second_look=second_look)
+            # Worst case: every question looks again with the whole budget: its second-look suffix, the
+            # reasoning, the answer cue and, options-first (the state is the last prefix segment, merged with
+            # the first pass's suffix), the whole prefix once more.
+            cue = len(self._tokenize(SECOND_LOOK_CUE, special=False))
+            again = sum(len(s) for s in planned.prefix_segments) if planned.layout == "options_first" else 0
+            extra = sum(len(self._second_look_suffix(planned, q)) + second_look.max_tokens + cue + again
+                        for q in planned.questions)
+            planned = replace(planned, second_look=second_look, second_look_tokens=extra)
+            if max_request_tokens is not None and planned.worst_case_tokens > max_request_tokens:
+                raise TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens, field=budget_field)
+            return planned
         scoring = scoring or self.default_scoring
         if scoring not in ("label", "sequence"):
             raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
@@ -991,10 +997,9 @@ class Engine:
                 memo_suffix_tokens += memo_tokens
                 distributions[index] = dist
         if plan.second_look is not None:
-            for index, qplan in enumerate(plan.questions):
-                distributions[index] = self._second_look(plan, qplan, prefix, distributions[index], cancel)
-                if distributions[index].second_look.get("ran"):
-                    evaluated += distributions[index].second_look["evaluated_tokens"]
+            for index in range(len(plan.questions)):
+                distributions[index] = self._second_look(plan, index, prefix, distributions[index], cancel)
+                evaluated += distributions[index].second_look.get("evaluated_tokens", 0)
         for dist in distributions:
             dist.injection_suspected = injection_suspected
         # Honest reuse: the state prefix counts as cached only up to the first position this request
@@ -1091,12 +1096,23 @@ class Engine:
         )
         return dist, memo_tokens + back_memo
 
-    def _second_look(self, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], first: Distribution,
+    def _second_look_suffix(self, plan: PromptPlan, qplan: QuestionPlan) -> list[int]:
+        """The second look's suffix tokens after the plan's prefix (PromptTemplate.second_look_suffix_parts)."""
+        template = self.template
+        block, tail = template.second_look_suffix_parts(qplan.question, list(qplan.labels), list(qplan.order), plan.layout)
+        if template.between and not qplan.pieces[0].text.startswith(template.between) and block.startswith(template.between):
+            block = block[len(template.between):]  # the prefix took the blank line after the state (plan._join_across)
+        block_tokens, tail_tokens = _question_tokens(self._tokenize, plan.prefix_text, block, tail)
+        return list(block_tokens) + list(tail_tokens)
+
+    def _second_look(self, plan: PromptPlan, index: int, prefix: list[list[int]], first: Distribution,
                      cancel: Optional[Callable[[], bool]]) -> Distribution:
         """The second look (plan.SecondLook) at one answer: nothing when the first pass is clear; else greedy
         reasoning from the same prefix within the token budget and deadline, then the labels read after
-        SECOND_LOOK_CUE. The client going away or the request deadline ends the reasoning early (the label
-        is still read: a few tokens). The context keeps the prefix; the label memo is not used."""
+        SECOND_LOOK_CUE. When no reasoning token fits (deadline, context) the first pass decides. The client
+        going away or the request deadline raises Cancelled, as everywhere in the engine. The context keeps
+        the prefix; the label memo is not used."""
+        qplan = plan.questions[index]
         config = plan.second_look
         reason = config.reason(first.probabilities, first.label_mass)
         if reason is None:
@@ -1104,51 +1120,63 @@ class Engine:
             return first
         started = time.perf_counter()
         deadline = started + config.deadline_s
-        template = self.template
-        block, tail = template.second_look_suffix_parts(qplan.question, list(qplan.labels), list(qplan.order), plan.layout)
-        if template.between and not qplan.pieces[0].text.startswith(template.between) and block.startswith(template.between):
-            block = block[len(template.between):]  # the prefix took the blank line after the state (plan._join_across)
-        block_tokens, tail_tokens = _question_tokens(self._tokenize, plan.prefix_text, block, tail)
-        suffix = list(block_tokens) + list(tail_tokens)
+        suffix = self._second_look_suffix(plan, qplan)
         cue = self._tokenize(SECOND_LOOK_CUE, special=False)
         base = sum(len(s) for s in prefix) + len(suffix)
         budget = min(config.max_tokens, self.n_ctx - base - len(cue))
-        if budget < 0:
-            first.second_look = {"ran": False, "decided_by": "first_pass", "reason": reason,
-                                 "stopped": "context", "version": SECOND_LOOK_VERSION}
+        first_pass = {"probabilities": first.probabilities, "option_logits": first.option_logits,
+                      "label_mass": first.label_mass}
+        if first.recompute is not None:
+            first_pass["recompute"] = first.recompute  # semif-recompute reproduces the first pass, not the second
+
+        def kept(stopped: str, evaluated: int = 0) -> Distribution:
+            """No reasoning happened: the first pass decides."""
+            first.second_look = {"ran": False, "decided_by": "first_pass", "reason": reason, "stopped": stopped,
+                                 "version": SECOND_LOOK_VERSION, "reasoning_tokens": 0, "evaluated_tokens": evaluated,
+                                 "ms": round((time.perf_counter() - started) * 1000, 3)}
+            first.evaluated_tokens += evaluated
             return first
+
+        if budget < 1:
+            return kept("context")
+        if time.perf_counter() >= deadline:
+            return kept("deadline")
         variants = [list(v) for v in first.label_variant_ids or [(t,) for t in first.label_token_ids]]
         stop_tokens = {self.end_of_turn_token, self.llm.token_eos()}
+        vocab = self._lc.llama_model_get_vocab(self._model)
         self._ensure_prefix(prefix)
         outer_cancel, self._cancel = self._cancel, None  # this loop asks the hook itself, per token
         try:
             rows, reused, evaluated = self._forward(prefix + [suffix], [base - 1])
             row, position = rows[base - 1], base - 1
             generated: list[int] = []
-            text = ""
+            pieces = bytearray()  # bytes, decoded once: a character may span tokens
             stopped = "budget"
             while True:
+                if cancel is not None and cancel():
+                    raise Cancelled(index, len(plan.questions))
                 if len(generated) >= budget:
                     stopped = "budget"
                     break
                 if time.perf_counter() >= deadline:
                     stopped = "deadline"
                     break
-                if cancel is not None and cancel():
-                    stopped = "cancelled"
-                    break
                 token = int(np.argmax(row))
-                if token in stop_tokens or self._lc.llama_vocab_is_eog(self._lc.llama_model_get_vocab(self._model), token):
+                if token in stop_tokens or self._lc.llama_vocab_is_eog(vocab, token):
                     stopped = "end_of_turn"
                     break
                 generated.append(token)
                 position += 1
                 row = self._decode([token], {position})[position]
                 evaluated += 1
-                text += self._piece(token)
-                if text.rstrip().endswith("Answer:"):
+                pieces += self.llm.detokenize([token], special=True)
+                # "Answer:" on a line of its own or after a sentence, not an echo of the instruction's quote.
+                tail = bytes(pieces[-16:]).rstrip()
+                if tail.endswith(b"Answer:") and not tail.endswith(b'"Answer:'):
                     stopped = "answer"
                     break
+            if not generated:
+                return kept(stopped, evaluated)
             if stopped != "answer":
                 position += len(cue)
                 row = self._decode(cue, {position})[position]
@@ -1165,9 +1193,8 @@ class Engine:
             debias=first.debias, orders=first.orders, compute_ms=first.compute_ms,
             second_look={
                 "ran": True, "decided_by": "second_look", "reason": reason, "version": SECOND_LOOK_VERSION,
-                "first_pass": {"probabilities": first.probabilities, "option_logits": first.option_logits,
-                               "label_mass": first.label_mass},
-                "reasoning": text, "reasoning_tokens": len(generated), "stopped": stopped,
+                "first_pass": first_pass, "reasoning": pieces.decode("utf-8", errors="replace"),
+                "reasoning_tokens": len(generated), "stopped": stopped,
                 "evaluated_tokens": evaluated, "ms": round((time.perf_counter() - started) * 1000, 3),
             },
         )

@@ -153,11 +153,14 @@ class SecondLook:
         """Why the first pass is ambiguous (the first threshold it misses), or None: no second look."""
         ranked = sorted(probabilities, reverse=True)
         top, margin = ranked[0], ranked[0] - (ranked[1] if len(ranked) > 1 else 0.0)
-        if top < self.below_probability:
+        # The same tolerance as the policy's own test (postprocess/policy.py), so that a policy's second
+        # look runs for exactly the answers it would not accept.
+        eps = 1e-9
+        if top < self.below_probability - eps:
             return f"probability {top:.3f} < {self.below_probability}"
-        if margin < self.below_margin:
+        if margin < self.below_margin - eps:
             return f"margin {margin:.3f} < {self.below_margin}"
-        if label_mass is not None and label_mass < self.below_label_mass:
+        if label_mass is not None and label_mass < self.below_label_mass - eps:
             return f"label mass {label_mass:.3f} < {self.below_label_mass}"
         return None
 
@@ -193,6 +196,8 @@ class PromptPlan:
     fuse_state_and_question: bool = False
     # The second look, when asked for (label scoring only): Engine.execute runs it on ambiguous answers.
     second_look: Optional[SecondLook] = None
+    # Its worst case: every question looks again with the whole budget (Engine.plan counts it).
+    second_look_tokens: int = 0
 
     @property
     def prefix_text(self) -> str:
@@ -220,7 +225,7 @@ class PromptPlan:
     @property
     def worst_case_tokens(self) -> int:
         """What the request evaluates when nothing is cached: the budget is checked against this."""
-        return self.state_tokens + sum(q.worst_case_tokens for q in self._all_questions)
+        return self.state_tokens + sum(q.worst_case_tokens for q in self._all_questions) + self.second_look_tokens
 
 
 class _Prefix(NamedTuple):

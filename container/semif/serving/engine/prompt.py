@@ -279,11 +279,13 @@ def render_question_block(question: Question, labels: Optional[Sequence[str]],
     if question.kind == "binary":
         words = [BINARY_LABELS[i] for i in order]
         if labels is None or list(labels) == words:
-            lines.append(f"Reply {words[0]} or {words[1]}.")
+            if style.reply != "none":
+                lines.append(f"Reply {words[0]} or {words[1]}.")
         else:
             lines.append("Options:")
             lines.extend(f"{label}. {word}" for label, word in zip(labels, words))
-            lines.append(f"Reply {labels[0]} or {labels[1]}.")
+            if style.reply != "none":
+                lines.append(f"Reply {labels[0]} or {labels[1]}.")
         return "\n".join(lines)
     shown = [question.outcomes[i] for i in order]
     ascending = order == sorted(order)
@@ -337,7 +339,8 @@ SECOND_LOOK_CUE = "\nAnswer:"
 
 
 def render_second_look_request(labels: Sequence[str]) -> str:
-    listed = ", ".join(labels) if len(labels) <= _LISTED_LABELS else f"{labels[0]} to {labels[-1]}"
+    # Beyond a few labels a range would be wrong (labels skip spellings that are not one token): say "above".
+    listed = ", ".join(labels) if len(labels) <= _LISTED_LABELS else "the label of one option above"
     return SECOND_LOOK_TEXT.format(labels=listed)
 
 

@@ -96,8 +96,15 @@ class BatchCollector:
             n = max(1, len(self._pending[0].plan.questions))
             if taken and questions + n > self.n_seq:
                 break
+            # A second look generates for up to its deadline per question: it runs alone, so that no
+            # other request's answer waits for it.
+            alone = getattr(self._pending[0].plan, "second_look", None) is not None
+            if taken and alone:
+                break
             taken.append(self._pending.popleft())
             questions += n
+            if alone:
+                break
         return taken
 
     async def _loop(self) -> None:
