@@ -1,0 +1,93 @@
+"""tools/template_eval.py and tools/second_look_eval.py: their figures computed from known records, and
+each tool run end to end on two labeled decisions with the embedded model (real llama.cpp)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _side(probabilities, content_free=None, tokens=100, evaluated=60, mass=0.9):
+    return {"probabilities": probabilities, "label_mass": mass, "tokens": tokens, "evaluated": evaluated,
+            "content_free": content_free or [1 / len(probabilities)] * len(probabilities)}
+
+
+def test_template_eval_counts_accuracy_stability_and_the_mean_of_orders():
+    tool = load("template_eval")
+    records = [
+        # right both ways
+        {"style": "s", "category": "a", "gold_index": 0, "forward": _side([0.8, 0.2]), "reversed": _side([0.7, 0.3])},
+        # right as written only; the mean of orders is right (0.9 + 0.4 > 0.1 + 0.6)
+        {"style": "s", "category": "a", "gold_index": 0, "forward": _side([0.9, 0.1]), "reversed": _side([0.4, 0.6])},
+        # wrong both ways, but contextual calibration puts it right: option 1 is what the empty state says anyway
+        {"style": "s", "category": "b", "gold_index": 0,
+         "forward": _side([0.4, 0.6], [0.1, 0.9]), "reversed": _side([0.45, 0.55], [0.1, 0.9])},
+    ]
+    summary = tool.summarise(records, ["s"], {"s": 40})["s"]
+    assert summary["n"] == 3
+    assert summary["forward"] == pytest.approx(2 / 3) and summary["reversed"] == pytest.approx(1 / 3)
+    assert summary["stable"] == pytest.approx(2 / 3)  # the first and the third keep their choice
+    assert summary["mean_of_orders"] == pytest.approx(2 / 3)
+    assert summary["calibrated_mean"] == pytest.approx(1.0)
+    assert summary["after_head_tokens"] == pytest.approx(60.0)
+    assert summary["per_category"] == {"a": 1.0, "b": 0.0}
+
+
+def test_second_look_eval_counts_flips_and_served_time():
+    tool = load("second_look_eval")
+    records = [
+        {"gold_index": 0, "first_pass": {"choice": 1, "ms": 100.0},
+         "looks": {"8": {"choice": 0, "ran": True, "ms": 400.0, "reasoning_tokens": 8}}},   # wrong -> right
+        {"gold_index": 0, "first_pass": {"choice": 0, "ms": 100.0},
+         "looks": {"8": {"choice": 1, "ran": True, "ms": 300.0, "reasoning_tokens": 4}}},   # right -> wrong
+        {"gold_index": 2, "first_pass": {"choice": 2, "ms": 100.0},
+         "looks": {"8": {"choice": 2, "ran": False, "ms": 100.0, "reasoning_tokens": 0}}},  # clear: no look
+    ]
+    summary = tool.summarise(records, [8])
+    assert summary["first_pass"]["accuracy"] == pytest.approx(2 / 3)
+    look = summary["8"]
+    assert look["accuracy"] == pytest.approx(2 / 3) and look["looked_again"] == 2
+    assert look["wrong_to_right"] == 1 and look["right_to_wrong"] == 1
+    assert look["p50_ms"] == 300.0 and look["p50_ms_looked_again"] == 350.0
+    assert look["mean_reasoning_tokens"] == 6.0
+
+
+@pytest.mark.parametrize("script, args", [
+    ("template_eval.py", ["--styles", "v2,v3"]),
+    ("second_look_eval.py", ["--budgets", "4", "--below-margin", "1.0"]),
+])
+def test_each_tool_runs_end_to_end_on_the_embedded_model(tmp_path, model_path, script, args):
+    out = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, str(REPO / "tools" / script), str(model_path), "--limit", "2",
+                             "--threads", "2", "--json", str(out), *args],
+                            capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert len(report["records"]) == (4 if script == "template_eval.py" else 2)
+    if script == "second_look_eval.py":
+        assert report["summary"]["4"]["looked_again"] == 2  # below margin 1.0: every answer looks again
+        assert all(r["looks"]["4"]["reasoning_tokens"] <= 4 for r in report["records"])
+
+
+def test_bad_flags_are_a_usage_error_not_a_traceback(model_path):
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "second_look_eval.py"), str(model_path),
+                             "--budgets", "x"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2 and "--budgets" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "template_eval.py"), str(model_path),
+                             "--styles", "v9"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2 and "unknown style" in result.stderr and "Traceback" not in result.stderr
