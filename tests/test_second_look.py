@@ -139,7 +139,8 @@ def test_request_deadline_ends_a_long_second_look(tmp_path, model_path, engine):
     from serving import make_settings
 
     app = create_app(make_settings(model_path, request_deadline_s=2.0), engine)
-    decisions = [{**{k: v for k, v in DECISION.items() if k != "state"}, "id": f"d{i}"} for i in range(4)]
+    # Eight decisions that all look again: their reasoning takes several seconds on any machine, past 2 s.
+    decisions = [{**{k: v for k, v in DECISION.items() if k != "state"}, "id": f"d{i}"} for i in range(8)]
     with TestClient(app, raise_server_exceptions=False) as client:
         response = client.post("/v1/semif", json={"state": TICKET, "decisions": decisions,
                                                   "second_look": {**ALWAYS, "max_tokens": 1024, "deadline_ms": 120_000}})
