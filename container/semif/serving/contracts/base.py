@@ -205,18 +205,23 @@ def first_validation_error(exc: ValidationError, code: str = "invalid_request") 
     return RequestError(422, code, f"{field_path}: {excerpt(message, MAX_ECHO)}", field=field_path)
 
 
-class SecondLookSpec(BaseModel):
+class SecondLookBudget(BaseModel):
+    """`second_look` inside a policy: only the budget; the thresholds are the policy's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    max_tokens: int = Field(default=DEFAULT_SECOND_LOOK_TOKENS, ge=1, le=MAX_SECOND_LOOK_TOKENS)
+    deadline_ms: int = Field(default=DEFAULT_SECOND_LOOK_DEADLINE_MS, ge=1, le=MAX_SECOND_LOOK_DEADLINE_MS)
+
+
+class SecondLookSpec(SecondLookBudget):
     """`second_look` in a request: `{"below_margin", "below_probability", "below_label_mass", "max_tokens",
     "deadline_ms"}`. A first-pass answer below any threshold gets a second look; with no threshold given,
     `below_margin` is DEFAULT_SECOND_LOOK_MARGIN. In a policy the thresholds are the policy's own
     (`min_probability`, `min_margin`, `min_label_mass`): an answer the policy would not accept looks again."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     below_probability: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     below_margin: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     below_label_mass: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    max_tokens: int = Field(default=DEFAULT_SECOND_LOOK_TOKENS, ge=1, le=MAX_SECOND_LOOK_TOKENS)
-    deadline_ms: int = Field(default=DEFAULT_SECOND_LOOK_DEADLINE_MS, ge=1, le=MAX_SECOND_LOOK_DEADLINE_MS)
 
     def config(self, policy: Optional[dict] = None) -> SecondLook:
         thresholds = ((policy.get("min_probability"), policy.get("min_margin"), policy.get("min_label_mass"))
@@ -226,12 +231,3 @@ class SecondLookSpec(BaseModel):
         probability, margin, mass = (t or 0.0 for t in thresholds)
         return SecondLook(below_probability=probability, below_margin=margin, below_label_mass=mass,
                           max_tokens=self.max_tokens, deadline_s=self.deadline_ms / 1000)
-
-
-class SecondLookBudget(BaseModel):
-    """`second_look` inside a policy: only the budget; the thresholds are the policy's."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    max_tokens: int = Field(default=DEFAULT_SECOND_LOOK_TOKENS, ge=1, le=MAX_SECOND_LOOK_TOKENS)
-    deadline_ms: int = Field(default=DEFAULT_SECOND_LOOK_DEADLINE_MS, ge=1, le=MAX_SECOND_LOOK_DEADLINE_MS)
-

@@ -502,9 +502,10 @@ class Engine:
             # the first pass's suffix), the whole prefix once more.
             cue = len(self._tokenize(SECOND_LOOK_CUE, special=False))
             again = sum(len(s) for s in planned.prefix_segments) if planned.layout == "options_first" else 0
-            extra = sum(len(self._second_look_suffix(planned, q)) + second_look.max_tokens + cue + again
-                        for q in planned.questions)
-            planned = replace(planned, second_look=second_look, second_look_tokens=extra)
+            suffixes = tuple(self._second_look_suffix(planned, q) for q in planned.questions)
+            extra = sum(len(s) + second_look.max_tokens + cue + again for s in suffixes)
+            planned = replace(planned, second_look=second_look, second_look_tokens=extra,
+                              second_look_suffixes=suffixes)
             if max_request_tokens is not None and planned.worst_case_tokens > max_request_tokens:
                 raise TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens, field=budget_field)
             return planned
@@ -1120,7 +1121,7 @@ class Engine:
             return first
         started = time.perf_counter()
         deadline = started + config.deadline_s
-        suffix = self._second_look_suffix(plan, qplan)
+        suffix = list(plan.second_look_suffixes[index])
         cue = self._tokenize(SECOND_LOOK_CUE, special=False)
         base = sum(len(s) for s in prefix) + len(suffix)
         budget = min(config.max_tokens, self.n_ctx - base - len(cue))

@@ -198,6 +198,8 @@ class PromptPlan:
     second_look: Optional[SecondLook] = None
     # Its worst case: every question looks again with the whole budget (Engine.plan counts it).
     second_look_tokens: int = 0
+    # Per question, the second look's suffix tokens, tokenized here, off the model thread.
+    second_look_suffixes: tuple = ()
 
     @property
     def prefix_text(self) -> str:
