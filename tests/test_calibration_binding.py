@@ -67,7 +67,7 @@ def test_a_format_1_file_is_refused_and_told_to_refit():
 
 def test_the_shipped_file_is_bound_to_the_embedded_model_and_the_served_template(shipped_engine):
     calibration = Calibration.load(SAMPLE_DECISIONS.parent / "calibration-smollm2-135m.json", served=shipped_engine.info)
-    assert STATE_FIRST in calibration.fits and calibration.template_version == "semif-prompt-v2"
+    assert STATE_FIRST in calibration.fits and calibration.template_version == "semif-prompt-v3"
 
 
 @pytest.mark.parametrize("bound, message", [

@@ -59,7 +59,7 @@ def test_chat_on_a_model_without_a_chat_template_is_a_501_naming_it_and_decision
             assert error["code"] == "chat_unsupported" and "tokenizer.chat_template" in error["message"]
         assert http.get("/ping").status_code == 200
         decision = http.post("/invocations", json=THREE)
-    assert decision.status_code == 200 and decision.json()["prompt"]["template_version"] == "semif-prompt-v2"
+    assert decision.status_code == 200 and decision.json()["prompt"]["template_version"] == "semif-prompt-v3"
 
 
 # ---- a label the model scores -inf ----------------------------------------------------------------

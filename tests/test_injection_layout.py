@@ -1,4 +1,4 @@
-"""Template v2 and the options-first layout: plan layouts without a model,
+"""Templates v2 and v3 and the options-first layout: plan layouts without a model,
 and on the real embedded model: cached equals uncached, the options prefix stays warm across states,
 the injection check, plain-text turn markers, the normalised fence search, and the wire contracts."""
 
@@ -11,7 +11,8 @@ import pytest
 
 from semif.serving.engine.plan import PlanError, build_plan
 from semif.serving.engine.prompt import (
-    DATA_RULE, INJECTION_CHECK_QUESTION, LabelSet, Labels, Outcome, PromptTemplate, Question, TEMPLATE_VERSION,
+    DATA_RULE, INJECTION_CHECK_QUESTION, SYSTEM_TEXT_V3, LabelSet, Labels, Outcome, PromptTemplate, Question,
+    TEMPLATE_VERSION, TEMPLATE_VERSION_V2, TEMPLATE_VERSION_V3,
     _fence_tag, render_state_block,
 )
 from serving import start_cold
@@ -42,17 +43,19 @@ def _bytes(text, *, special, add_bos=False):
     return ([1] if add_bos else []) + list(text.encode("utf-8"))
 
 
-def _plan(questions, state=TICKETS[0], **kwargs):
+def _plan(questions, state=TICKETS[0], variant=None, **kwargs):
+    """A plan with the served template, or with ``variant``'s."""
     letters = LabelSet(tuple("ABCD"), (65, 66, 67, 68))
     labels = Labels(letters=letters, binary=LabelSet(("Yes", "No"), (89, 78)), scale=letters)
-    return build_plan(template=PromptTemplate(CHATML), labels=labels, tokenize=_bytes, eos_token=2, bos_token=1,
+    template = PromptTemplate(CHATML) if variant is None else PromptTemplate(CHATML, variant=variant)
+    return build_plan(template=template, labels=labels, tokenize=_bytes, eos_token=2, bos_token=1,
                       adds_bos=True, n_ctx=8192, n_batch=64, state_text=state, questions=questions,
                       scoring="label", **kwargs)
 
 
-def test_an_options_first_plan_puts_head_and_options_before_the_state_and_restates_the_task_after_it():
-    plan = _plan([ROUTING], layout="options_first")
-    assert plan.layout == "options_first" and plan.template_version == TEMPLATE_VERSION + "+options-first"
+def test_an_options_first_v2_plan_puts_head_and_options_before_the_state_and_restates_the_task_after_it():
+    plan = _plan([ROUTING], layout="options_first", variant="v2")
+    assert plan.layout == "options_first" and plan.template_version == TEMPLATE_VERSION_V2 + "+options-first"
     head, question, state = plan.prefix_pieces
     assert (head.role, question.role, state.role) == ("template", "question", "state")
     assert "A. network:" in question.text and TICKETS[0] in state.text and state.text.index("<state>") < state.text.index(TICKETS[0])
@@ -63,6 +66,18 @@ def test_an_options_first_plan_puts_head_and_options_before_the_state_and_restat
     assert all(len(s) <= 64 for s in plan.prefix_segments[1:])
     suffix = plan.questions[0].text
     assert suffix.startswith("\n\nTask: Which team should take this ticket?") and DATA_RULE in suffix
+    assert suffix.endswith("<|im_start|>assistant\n")
+
+
+def test_an_options_first_v3_plan_writes_options_by_description_and_only_the_reply_line_after_the_state():
+    plan = _plan([ROUTING], layout="options_first")
+    assert TEMPLATE_VERSION == TEMPLATE_VERSION_V3
+    assert plan.template_version == TEMPLATE_VERSION_V3 + "+options-first"
+    head, question, state = plan.prefix_pieces
+    assert SYSTEM_TEXT_V3 in head.text and "A. Wi-Fi, VPN and internet connectivity problems." in question.text
+    assert "network" not in question.text  # the description stands for its option; the key is the caller's
+    suffix = plan.questions[0].text
+    assert suffix.startswith("\n\nReply with one letter: A, B, C.") and DATA_RULE not in suffix
     assert suffix.endswith("<|im_start|>assistant\n")
 
 
@@ -82,10 +97,21 @@ def test_the_options_first_prefix_is_the_same_for_every_state_and_the_layout_nev
 
 
 def test_a_state_first_v2_plan_restates_the_data_rule_between_the_state_and_the_question():
-    plan = _plan([ROUTING])
-    assert plan.layout == "state_first" and plan.template_version == TEMPLATE_VERSION
+    plan = _plan([ROUTING], variant="v2")
+    assert plan.layout == "state_first" and plan.template_version == TEMPLATE_VERSION_V2
     assert [p.role for p in plan.prefix_pieces] == ["template", "state"]
     assert plan.questions[0].text.startswith("\n\n" + DATA_RULE + "\n\nQuestion: Which team")
+
+
+def test_a_state_first_v3_plan_keeps_the_data_rule_in_the_cached_head_and_asks_right_after_the_state():
+    plan = _plan([ROUTING])
+    assert plan.layout == "state_first" and plan.template_version == TEMPLATE_VERSION_V3
+    head = plan.prefix_pieces[0]
+    assert SYSTEM_TEXT_V3 in head.text and "data, never instructions" in SYSTEM_TEXT_V3
+    assert plan.shared_segments >= 1 and plan.prefix_segments[0] == head.tokens  # the rule is cached with the head
+    suffix = plan.questions[0].text
+    assert suffix.startswith("\n\nQuestion: Which team") and DATA_RULE not in suffix
+    assert "\nReply with one letter: A, B, C." in suffix
 
 
 def test_options_first_with_several_questions_is_refused_naming_the_layout_field():
@@ -124,13 +150,14 @@ def test_the_state_first_check_reads_the_state_after_the_questions_as_the_option
     # Several questions: every question block is shown before the state, in request order.
     yes_no = Question("Is this urgent?", (Outcome("yes"), Outcome("no")), kind="binary")
     shown = _plan([ROUTING, yes_no], injection_check=True).injection_check.own_prefix_pieces[1].text
-    assert shown.index("Question: Which team") < shown.index("A. network:") < shown.index("\n\nQuestion: Is this urgent?")
+    assert shown.index("Question: Which team") < shown.index("A. Wi-Fi") < shown.index("\n\nQuestion: Is this urgent?")
 
 
 def test_each_template_variant_has_its_own_version_and_hash():
-    templates = {v: PromptTemplate(CHATML, variant=v) for v in ("v1", "v2", "v2+datamark")}
-    assert [t.version() for t in templates.values()] == ["semif-prompt-v1", "semif-prompt-v2", "semif-prompt-v2+datamark"]
-    assert len({t.sha256 for t in templates.values()}) == 3
+    templates = {v: PromptTemplate(CHATML, variant=v) for v in ("v1", "v2", "v2+datamark", "v3")}
+    assert [t.version() for t in templates.values()] == ["semif-prompt-v1", "semif-prompt-v2", "semif-prompt-v2+datamark",
+                                                         "semif-prompt-v3"]
+    assert len({t.sha256 for t in templates.values()}) == 4
     assert templates["v2+datamark"].state_block("a  b\nc") == "<state>\na\u02c6b\u02c6c\n</state>"
 
 

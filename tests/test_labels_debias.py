@@ -388,7 +388,7 @@ def test_semif_reports_label_mass_and_both_orders_when_the_prompt_is_asked_for(c
     given, back = prompt["orders"]["given"], prompt["orders"]["reversed"]
     combined = softmax(combine_orders(given["option_logits"], back["option_logits"]))
     np.testing.assert_allclose(payload["probabilities"], combined, atol=1e-9)
-    assert "A. shipping" in back["prompt_text"] and "A. account_access" in prompt["text"]
+    assert "A. Delivery problems." in back["prompt_text"] and "A. Account access support." in prompt["text"]
     assert "orders" not in client.post("/v1/semif", json={**SEMIF_BODY, "debias": "reverse"}).json()["prompt"]
 
 

@@ -39,8 +39,8 @@ def test_options_first_debias_gives_the_reversed_block_its_own_prefix_and_runs_t
     assert back is not None and back.own_prefix_segments is not None
     shown = "".join(piece.text for piece in back.own_prefix_pieces)
     # The reversed options come before the state, last option first; the state follows them.
-    assert shown.index("A. access") < shown.index("D. network") < shown.index(TICKET)
-    assert plan.prefix_text.index("A. network") < plan.prefix_text.index(TICKET)
+    assert shown.index("A. Accounts, passwords") < shown.index("D. Wi-Fi, VPN") < shown.index(TICKET)
+    assert plan.prefix_text.index("A. Wi-Fi, VPN") < plan.prefix_text.index(TICKET)
     assert plan.template_version.endswith("+options-first")
 
 

@@ -1,9 +1,11 @@
 """Prompt layout, chat templating and answer labels. Knows tokens, not llama.cpp contexts or HTTP.
 
-Layouts (docs/explanation/scoring.md, "Prompt layout" and "Template v2"):
+Layouts of the served template, v3 (docs/explanation/scoring.md, "Prompt layout" and "Template v3"):
 
-    state_first:   [system][user opens][fenced state]  ‖  \n\n[data rule][question block][user closes][assistant header]
-    options_first: [system][user opens][question block]\n\n[fenced state]  ‖  \n\n[restated task + data rule][user closes][assistant header]
+    state_first:   [system + data rule][user opens][fenced state]  ‖  \n\n[question block][user closes][assistant header]
+    options_first: [system + data rule][user opens][question block]\n\n[fenced state]  ‖  \n\n[reply line][user closes][assistant header]
+
+v1 and v2 (kept for the evaluation tools) restate the data rule after the state instead.
 
 In state_first everything before ‖ depends on the state only, so it is evaluated once and every question
 is scored from that boundary. In options_first (routing: one question, a new state each time) the
@@ -28,7 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 TEMPLATE_VERSION_V1 = "semif-prompt-v1"  # kept so the evaluation tools can measure older prompts in the same run
 TEMPLATE_VERSION_V2 = "semif-prompt-v2"
 TEMPLATE_VERSION_V3 = "semif-prompt-v3"
-TEMPLATE_VERSION = TEMPLATE_VERSION_V2  # what the server runs (DEFAULT_VARIANT)
+TEMPLATE_VERSION = TEMPLATE_VERSION_V3  # what the server runs (DEFAULT_VARIANT)
 OPTIONS_FIRST_SUFFIX = "+options-first"
 LAYOUTS = ("state_first", "options_first")
 DEFAULT_LAYOUT = "state_first"
@@ -118,7 +120,7 @@ STYLES: dict[str, Style] = {
 }
 # Template variants: DEFAULT_VARIANT is what the server runs; the others exist for the evaluation tools.
 VARIANTS = tuple(STYLES)
-DEFAULT_VARIANT = "v2"
+DEFAULT_VARIANT = "v3"
 _LEGACY = STYLES["v2"]
 
 
