@@ -35,11 +35,13 @@ def make_settings(model_path, **overrides):
 
 
 def start_cold(engine) -> None:
-    """Empty everything the engine could answer from: the context, the prefix snapshots, the label memo.
+    """Empty everything the engine could answer from: the context, the prefix snapshots, the label memo,
+    the content-free priors.
     The next answer is then a cold evaluation."""
     engine.invalidate()
     engine.clear_prefix_snapshots()
     engine._label_memo.clear()
+    engine.clear_content_free()
 
 
 def free_port() -> int:

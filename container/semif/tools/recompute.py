@@ -148,6 +148,10 @@ def recompute_logits(record: dict, model_path: str | Path, *, context: Optional[
         raise ValueError("the context's settings are not the record's")
     try:
         logits = _order_logits(context, record)
+        prior = record.get("content_free_log_prior")
+        if prior is not None:
+            # debias "content_free": the raw logits less the content-free log-prior the answer applied.
+            return (np.asarray(logits, dtype=np.float64) - np.asarray(prior, dtype=np.float64)).tolist()
         reversed_ = record.get("reversed")
         if reversed_ is None:
             return logits

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.context import ScoreResult
-from ..engine.plan import SecondLook
+from ..engine.plan import DEBIAS_MODES, SecondLook
 from ..engine.prompt import Question
 
 
@@ -113,7 +113,7 @@ class Job:
     question_fields: Optional[list[str]] = None
     question_names: Optional[list[str]] = None
     budget_field: str = "questions"
-    # Order debiasing ("none" | "reverse"); None: the server default (SEMIF_DEBIAS).
+    # Debiasing ("none" | "reverse" | "content_free"); None: the server default (SEMIF_DEBIAS).
     debias: Optional[str] = None
     # Prompt layout and injection check as the request asked (None: the server's default), and the
     # contract's name for the layout field (errors name it).
@@ -142,7 +142,7 @@ def resolve_layout(job: Job, default: str) -> str:
     return default if len(job.questions) == 1 else "state_first"
 
 
-DEBIAS_VALUES = ("none", "reverse")
+DEBIAS_VALUES = DEBIAS_MODES  # the engine's (engine/plan.py)
 
 
 class Contract(Protocol):

@@ -92,9 +92,10 @@ class SingleRequest(_Strict):
     policy: Optional[AbstentionPolicy] = None
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
-    # Order debiasing: "reverse" scores each decision in the given and the reversed option order and
-    # combines both; None takes the server default (SEMIF_DEBIAS).
-    debias: Optional[Literal["none", "reverse"]] = None
+    # Debiasing: "reverse" scores each decision in the given and the reversed option order and combines
+    # both; "content_free" divides out the model's prior for each option (its answer for the state "N/A");
+    # None takes the server default (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse", "content_free"]] = None
     # Opt-in: the model reasons within a budget before the label is read again, for ambiguous answers.
     second_look: Optional[SecondLookSpec] = None
 
@@ -107,9 +108,10 @@ class BatchRequest(_Strict):
     policy: Optional[AbstentionPolicy] = None
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
-    # Order debiasing: "reverse" scores each decision in the given and the reversed option order and
-    # combines both; None takes the server default (SEMIF_DEBIAS).
-    debias: Optional[Literal["none", "reverse"]] = None
+    # Debiasing: "reverse" scores each decision in the given and the reversed option order and combines
+    # both; "content_free" divides out the model's prior for each option (its answer for the state "N/A");
+    # None takes the server default (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse", "content_free"]] = None
     # Opt-in: the model reasons within a budget before the label is read again, for ambiguous answers.
     second_look: Optional[SecondLookSpec] = None
 
@@ -192,6 +194,9 @@ def parse(body: Any, limits: Limits) -> Job:
                 "layout": getattr(result, "layout", "state_first"),
             }
             prompt["debias"] = dist.debias
+            if getattr(dist, "content_free", None) is not None:
+                # The prior divided out and the raw answer it was divided out of (debias "content_free").
+                prompt["content_free"] = dist.content_free
             if getattr(dist, "temperature", None) is not None:
                 prompt["temperature"] = dist.temperature  # the native model's own, applied to the logits
             if request.return_prompt:

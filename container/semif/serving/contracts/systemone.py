@@ -82,8 +82,8 @@ class SystemOneRequest(_Lenient):
     # Our extensions: prompt layout and the injection check, None = server default.
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
-    # Our extension: order debiasing ("none" | "reverse"); absent: the server default (SEMIF_DEBIAS).
-    debias: Optional[Literal["none", "reverse"]] = None
+    # Our extension: debiasing ("none" | "reverse" | "content_free"); absent: the server default (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse", "content_free"]] = None
     # Our extension: the opt-in second look for ambiguous answers (contracts/base.py, SecondLookSpec).
     second_look: Optional[SecondLookSpec] = None
 
@@ -273,6 +273,9 @@ def parse(body: Any, limits: Limits) -> Job:
                 "evaluated_tokens": result.evaluated_tokens,
                 "debias": result.distributions[0].debias if result.distributions else None,
                 "label_mass": {qid: dist.label_mass for qid, dist in zip(ids, result.distributions)},
+                # debias "content_free": each answer's content-free prior and its raw answer.
+                **({"content_free": {qid: dist.content_free for qid, dist in zip(ids, result.distributions)}}
+                   if any(getattr(d, "content_free", None) is not None for d in result.distributions) else {}),
                 # With SEMIF_CALIBRATION_PATH: each answer's calibration record (applied, or why not).
                 **({"calibration": {qid: dist.calibration for qid, dist in zip(ids, result.distributions)}}
                    if any(getattr(d, "calibration", None) is not None for d in result.distributions) else {}),

@@ -105,6 +105,7 @@ def batchable(engine, plan: PromptPlan) -> bool:
         # step reads one label row per question from one shared prefix.
         and plan.injection_check is None
         and plan.second_look is None
+        and plan.content_free is None  # its prior may need a pass of its own first
         and all(q.reversed is None and q.temperature is None and q.own_prefix_segments is None for q in plan.questions)
     )
 

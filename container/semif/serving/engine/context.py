@@ -19,13 +19,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from .manifest import sha256_file
 from .native import NativeDecision, ScoringUnsupported, build_native_plan, read_native_decision
-from .plan import (DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, SecondLook,
+from .plan import (CONTENT_FREE_STATE, DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, SecondLook,
                    SecondLookUnsupported, TokenBudgetExceeded, _question_tokens, build_plan)
 from .prompt import SECOND_LOOK_CUE, SECOND_LOOK_VERSION, Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
 from .results import Cancelled, Distribution, ScoreResult, softmax
@@ -37,6 +37,9 @@ log = logging.getLogger("semif.engine")
 
 SEQ = 0  # the one sequence this context holds
 LABEL_MEMO_SIZE = 256  # identical prompts remembered (label logits only: a few floats each)
+# Content-free priors kept (debias "content_free"): one per distinct question and option set, a few floats
+# each. A decision service asks a few dozen recurring decisions; an evicted prior is evaluated again.
+CONTENT_FREE_ENTRIES = 1024
 TEMPLATE_TOKENS_CACHE_SIZE = 1024  # distinct template strings kept tokenized (see Engine._tokenize)
 # Only strings up to this many characters are kept there, at most TEMPLATE_TOKENS_CACHE_CHARS in all: template
 # pieces are short, and text with client content in it (a question block, options) must not fill memory.
@@ -83,6 +86,34 @@ def combine_orders(given: Sequence[float], reversed_: Sequence[float]) -> list[f
     first = np.log(np.clip(np.asarray(softmax(given)), 1e-300, None))
     second = np.log(np.clip(np.asarray(softmax(reversed_)), 1e-300, None))
     return ((first + second) / 2).tolist()
+
+
+class _Priors(NamedTuple):
+    """debias "content_free": per question, its prior and whether it was held; tokens evaluated for them."""
+
+    priors: list[list[float]]
+    held: list[bool]
+    evaluated_tokens: int
+
+
+def _log_softmax(logits: Sequence[float]) -> list[float]:
+    values = np.asarray(logits, dtype=np.float64)
+    return (values - _logsumexp(values)).tolist()
+
+
+def _apply_prior(dist: Distribution, prior: Sequence[float], held: bool) -> Distribution:
+    """Contextual calibration: the raw logits less the content-free log-prior (each probability divided by
+    the option's content-free probability, renormalised). The raw answer stays in ``content_free``."""
+    raw = list(dist.option_logits)
+    dist.option_logits = (np.asarray(raw, dtype=np.float64) - np.asarray(prior, dtype=np.float64)).tolist()
+    dist.content_free = {"state": CONTENT_FREE_STATE, "prior": softmax(prior), "held": held,
+                         "option_logits": raw, "probabilities": dist.probabilities}
+    dist.probabilities = softmax(dist.option_logits)
+    dist.debias = "content_free"
+    if dist.recompute is not None:
+        # The raw logits are recomputed from the segments; the prior, as applied, is subtracted from them.
+        dist.recompute = dict(dist.recompute, content_free_log_prior=list(prior))
+    return dist
 
 
 def _tokens_key(prefix: Sequence[Sequence[int]], suffix: Sequence[int], label_ids: Sequence[int]) -> bytes:
@@ -254,6 +285,7 @@ class Engine:
         model_sha256: Optional[str] = None,
         verbose: bool = False,
         n_seq: int = 1,
+        content_free_entries: int = CONTENT_FREE_ENTRIES,
     ):
         import llama_cpp  # imported here so the HTTP layer and tools import without a compiled library
 
@@ -345,6 +377,11 @@ class Engine:
         # about an identical state is answered with the logits it already produced (exact by construction).
         self._label_memo: "OrderedDict[bytes, tuple[list[float], float]]" = OrderedDict()
         self.default_debias = "none"  # SEMIF_DEBIAS (serve sets it); a request's `debias` overrides it
+        # debias "content_free": each question's prior (log-probabilities over its labels, in shown order),
+        # keyed by the content-free prompt's exact tokens and label variants (_content_free_priors).
+        self.content_free_entries = max(1, int(content_free_entries))
+        self._content_free: "OrderedDict[bytes, list[float]]" = OrderedDict()
+        self.content_free_passes = 0  # content-free plans evaluated (the others were answered from held priors)
         self._memo_prefix: Optional[tuple[list, "hashlib._Hash"]] = None  # (prefix list, its digest): _memo_key
         self._snapshot: Optional[tuple[list[tuple[int, ...]], ctypes.Array]] = None
         self.lock = threading.Lock()  # defensive: callers already serialize
@@ -535,15 +572,29 @@ class Engine:
                 question_fields=question_fields, question_names=question_names, budget_field=budget_field,
                 max_request_tokens=max_request_tokens, return_prompt=return_prompt,
             )
-        return build_plan(
+        common = dict(
             template=self.template, labels=self.labels, tokenize=self._tokenize,
             eos_token=self.llm.token_eos(), bos_token=self.llm.token_bos(), adds_bos=self._adds_bos(),
-            n_ctx=self.n_ctx, n_batch=self.n_batch, state_text=state_text, questions=questions, scoring=scoring,
-            state_field=state_field, question_fields=question_fields, question_names=question_names,
-            budget_field=budget_field, max_request_tokens=max_request_tokens, return_prompt=return_prompt,
-            layout=layout, injection_check=injection_check, layout_field=layout_field,
-            debias=debias, end_of_turn_token=self.end_of_turn_token,
+            n_ctx=self.n_ctx, n_batch=self.n_batch, questions=questions, scoring=scoring,
+            question_fields=question_fields, question_names=question_names, budget_field=budget_field,
+            layout=layout, layout_field=layout_field, end_of_turn_token=self.end_of_turn_token,
         )
+        if debias != "content_free":
+            return build_plan(**common, state_text=state_text, state_field=state_field,
+                              max_request_tokens=max_request_tokens, return_prompt=return_prompt,
+                              injection_check=injection_check, debias=debias)
+        if scoring != "label":
+            raise PlanError("debias 'content_free' reads each option's label probability: it needs label scoring",
+                            field="debias")
+        planned = build_plan(**common, state_text=state_text, state_field=state_field, max_request_tokens=None,
+                             return_prompt=return_prompt, injection_check=injection_check, debias=debias)
+        content_free = build_plan(**common, state_text=CONTENT_FREE_STATE, state_field=state_field,
+                                  max_request_tokens=None, return_prompt=False, injection_check=False, debias="none")
+        planned = replace(planned, content_free=content_free)
+        # Its worst case counts the content-free pass: a prior not held yet is evaluated in this request.
+        if max_request_tokens is not None and planned.worst_case_tokens > max_request_tokens:
+            raise TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens, field=budget_field)
+        return planned
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
         """The state prefix as evaluation segments (see ``plan``): the template head, then the fenced
@@ -946,7 +997,8 @@ class Engine:
         with self.lock:
             self._cancel, self._cancel_progress, self._unchecked_tokens = cancel, (0, len(plan.questions)), 0
             try:
-                return self._execute(plan, cancel, started)
+                priors = self._content_free_priors(plan, cancel, started) if plan.content_free is not None else None
+                return self._execute(plan, cancel, started, priors)
             except Cancelled:
                 raise
             except BaseException:
@@ -955,7 +1007,38 @@ class Engine:
             finally:
                 self._cancel = None
 
-    def _execute(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]], started: float) -> ScoreResult:
+    def _content_free_key(self, content_free: PromptPlan, qplan: QuestionPlan) -> bytes:
+        variants = [t for variant in (qplan.label_variants or ()) for t in (*variant, -1)]
+        return _tokens_key(content_free.prefix_segments, qplan.suffix_tokens, variants)
+
+    def _content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]],
+                             started: float) -> "_Priors":
+        """Each question's content-free prior (log-probabilities over its labels, in shown order): the ones
+        held, else the content-free plan evaluated now (all its questions, so that they share its prefix) and
+        kept. Stored only once the whole pass has succeeded: a pass cancelled or failed part-way keeps nothing."""
+        content_free = plan.content_free
+        keys = [self._content_free_key(content_free, q) for q in content_free.questions]
+        held = [self._content_free.get(key) for key in keys]
+        if all(prior is not None for prior in held):
+            for key in keys:
+                self._content_free.move_to_end(key)
+            return _Priors(held, [True] * len(keys), 0)
+        result = self._execute(content_free, cancel, started)
+        self.content_free_passes += 1
+        computed = [_log_softmax(d.option_logits) for d in result.distributions]
+        for key, prior in zip(keys, computed):
+            self._content_free[key] = prior
+            self._content_free.move_to_end(key)
+        while len(self._content_free) > self.content_free_entries:
+            self._content_free.popitem(last=False)
+        return _Priors(computed, [False] * len(keys), result.evaluated_tokens)
+
+    def clear_content_free(self) -> None:
+        """Forget every content-free prior (the next content_free request evaluates its own again)."""
+        self._content_free.clear()
+
+    def _execute(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]], started: float,
+                 priors: Optional["_Priors"] = None) -> ScoreResult:
         if not self.prefix_cache:
             self.invalidate()
         self._decoded_from = None
@@ -997,6 +1080,9 @@ class Engine:
                 evaluated += dist.evaluated_tokens
                 memo_suffix_tokens += memo_tokens
                 distributions[index] = dist
+        if priors is not None:
+            distributions = [_apply_prior(d, prior, held) for d, prior, held in zip(distributions, priors.priors, priors.held)]
+            evaluated += priors.evaluated_tokens
         if plan.second_look is not None:
             for index in range(len(plan.questions)):
                 distributions[index] = self._second_look(plan, index, prefix, distributions[index], cancel)
@@ -1191,7 +1277,7 @@ class Engine:
             option_logits=logits, probabilities=probabilities, tokens=first.tokens, cached_tokens=first.cached_tokens,
             evaluated_tokens=first.evaluated_tokens + evaluated, scoring="label", label_token_ids=first.label_token_ids,
             labels=first.labels, prompt_text=first.prompt_text, label_mass=label_mass, label_variant_ids=variants,
-            debias=first.debias, orders=first.orders, compute_ms=first.compute_ms,
+            debias=first.debias, orders=first.orders, content_free=first.content_free, compute_ms=first.compute_ms,
             second_look={
                 "ran": True, "decided_by": "second_look", "reason": reason, "version": SECOND_LOOK_VERSION,
                 "first_pass": first_pass, "reasoning": pieces.decode("utf-8", errors="replace"),

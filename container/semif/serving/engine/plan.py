@@ -86,7 +86,13 @@ class Piece:
     special_tokens: bool
 
 
-DEBIAS_MODES = ("none", "reverse")
+# "reverse": each question in both option orders, their log-probabilities averaged (one more question
+# segment per question). "content_free": contextual calibration (Zhao et al., 2021) at run time: each
+# probability divided by the model's probability for that option when the state says nothing
+# (CONTENT_FREE_STATE), with the same question and options; that prior depends on the question, not the
+# state, so the engine keeps it (Engine.content_free_entries) and a recurring decision pays for it once.
+DEBIAS_MODES = ("none", "reverse", "content_free")
+CONTENT_FREE_STATE = "N/A"
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,9 @@ class PromptPlan:
     second_look_tokens: int = 0
     # Per question, the second look's suffix tokens, tokenized here, off the model thread.
     second_look_suffixes: tuple = ()
+    # debias "content_free": the same questions about CONTENT_FREE_STATE (debias "none", no checks), whose
+    # label distributions are each question's prior (Engine.execute runs it when its priors are not held).
+    content_free: Optional["PromptPlan"] = None
 
     @property
     def prefix_text(self) -> str:
@@ -227,7 +236,9 @@ class PromptPlan:
     @property
     def worst_case_tokens(self) -> int:
         """What the request evaluates when nothing is cached: the budget is checked against this."""
-        return self.state_tokens + sum(q.worst_case_tokens for q in self._all_questions) + self.second_look_tokens
+        content_free = self.content_free.worst_case_tokens if self.content_free is not None else 0
+        return (self.state_tokens + sum(q.worst_case_tokens for q in self._all_questions) + self.second_look_tokens
+                + content_free)
 
 
 class _Prefix(NamedTuple):
@@ -589,7 +600,7 @@ def build_plan(
         if layout == "state_first":
             # The check reads the state after the request's questions and options (INJECTION_CHECK_LAYOUT):
             # its own prefix, so the state is evaluated a second time, after the options.
-            shown = [render_question_block(q, label_choice(q, tuple(range(len(q.outcomes))))[0]) for q in questions]
+            shown = [render_question_block(q, label_choice(q, tuple(range(len(q.outcomes))))[0], style=template.style) for q in questions]
             check_prefix = questions_then_state(*template.injection_check_prefix_parts(shown))
             check_before, check_moved = check_prefix.before_suffix, check_prefix.between
             check_prefix_len = sum(len(s) for s in check_prefix.segments)
@@ -624,7 +635,7 @@ def build_plan(
         layout=layout,
         injection_check=check_plan,
         debias=debias,
-        fuse_state_and_question=(layout == "options_first" and scoring == "label" and debias == "none"
+        fuse_state_and_question=(layout == "options_first" and scoring == "label" and debias in ("none", "content_free")
                                  and check_plan is None and len(planned) == 1),
     )
     if max_request_tokens is not None and result.worst_case_tokens > max_request_tokens:

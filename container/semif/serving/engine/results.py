@@ -61,6 +61,10 @@ class Distribution:
     # With a second look asked for: {"ran", "decided_by", and when it ran "reason", "first_pass",
     # "reasoning", "reasoning_tokens", "stopped", "evaluated_tokens", "ms"} (Engine._second_look).
     second_look: Optional[dict] = None
+    # With debias "content_free": {"state", "prior" (the options' probabilities for the content-free state),
+    # "held" (the prior was kept from an earlier request), "option_logits" and "probabilities" (the raw
+    # answer, before the prior was divided out)}; option_logits and probabilities are then the calibrated ones.
+    content_free: Optional[dict] = None
 
 
 @dataclass

@@ -1,0 +1,235 @@
+"""debias "content_free": contextual calibration at run time, on the real embedded model at its shipped
+defaults (flash attention, the label memo, prefix snapshots).
+
+Each answer is the raw label distribution divided by the model's distribution for the content-free state
+"N/A" with the same question and options, renormalised. That prior depends on the question only, so the
+engine keeps it; every kept or evicted prior is compared here with a cold computation of the same answer
+(the context, the snapshots, the memo and the priors emptied first)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from semif.serving.engine.context import Cancelled, Engine, TokenBudgetExceeded, softmax
+from semif.serving.engine.plan import CONTENT_FREE_STATE, PlanError
+from semif.serving.engine.prompt import Outcome, Question
+from semif.tools.recompute import recompute_logits
+
+from serving import start_cold
+
+ROUTE = Question("Which queue should handle this request?",
+                 (Outcome("account_access", "Logins, passwords, locked accounts."),
+                  Outcome("billing", "Charges, refunds, invoices."),
+                  Outcome("shipping", "Parcels, delivery, returns.")))
+URGENT = Question("Does this need an answer today?", (Outcome("true"), Outcome("false")), kind="binary")
+TONE = Question("What is the tone?", (Outcome("calm"), Outcome("annoyed"), Outcome("angry"), Outcome("pleased")))
+STATES = ["I cannot log in: the reset email never arrives and my account is locked.",
+          "I was charged twice for order 5521; please refund the duplicate.",
+          "The parcel says delivered but nothing came."]
+
+
+def _log_softmax(logits):
+    values = np.asarray(logits, dtype=np.float64)
+    peak = values.max()
+    return values - (peak + np.log(np.exp(values - peak).sum()))
+
+
+@pytest.fixture
+def fresh(engine):
+    """Nothing held before or after: the priors, the context, the snapshots and the memo emptied."""
+    start_cold(engine)
+    entries = engine.content_free_entries
+    try:
+        yield engine
+    finally:
+        engine.content_free_entries = entries
+        start_cold(engine)
+
+
+def _cold(engine, state, questions, **kwargs):
+    """The same request with nothing to answer from: what every held or evicted prior is compared with."""
+    start_cold(engine)
+    return engine.score(state, questions, debias="content_free", **kwargs)
+
+
+def _same(got, want):
+    """Exact: the engine's exactness rule makes a held prior or a cached prefix run the same kernels."""
+    for a, b in zip(got.distributions, want.distributions, strict=True):
+        np.testing.assert_allclose(a.option_logits, b.option_logits, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(a.probabilities, b.probabilities, rtol=0, atol=1e-9)
+        np.testing.assert_allclose(a.content_free["prior"], b.content_free["prior"], rtol=0, atol=1e-9)
+
+
+def test_the_answer_is_the_raw_distribution_divided_by_the_content_free_one(fresh):
+    engine = fresh
+    answer = engine.score(STATES[0], [ROUTE, URGENT], debias="content_free").distributions
+    start_cold(engine)
+    raw = engine.score(STATES[0], [ROUTE, URGENT], debias="none").distributions
+    start_cold(engine)
+    prior = engine.score(CONTENT_FREE_STATE, [ROUTE, URGENT], debias="none").distributions
+    for got, r, p in zip(answer, raw, prior, strict=True):
+        assert got.debias == "content_free" and got.content_free["state"] == CONTENT_FREE_STATE
+        expected = np.asarray(r.option_logits) - _log_softmax(p.option_logits)
+        np.testing.assert_allclose(got.option_logits, expected, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(got.probabilities, softmax(expected), rtol=0, atol=1e-9)
+        # The raw answer and the prior stay in the record.
+        np.testing.assert_allclose(got.content_free["option_logits"], r.option_logits, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(got.content_free["probabilities"], r.probabilities, rtol=0, atol=1e-9)
+        np.testing.assert_allclose(got.content_free["prior"], p.probabilities, rtol=0, atol=1e-9)
+        assert got.content_free["held"] is False
+        assert got.label_mass == pytest.approx(r.label_mass, abs=1e-9)  # read from the raw distribution
+        # Dividing out a prior that is not uniform changes the answer: the check above cannot pass vacuously.
+        assert np.max(np.abs(np.subtract(got.probabilities, r.probabilities))) > 1e-3
+
+
+def test_a_held_prior_costs_no_tokens_and_gives_the_cold_answer(fresh):
+    engine = fresh
+    first = engine.score(STATES[0], [ROUTE], debias="content_free")
+    passes = engine.content_free_passes
+    again = engine.score(STATES[1], [ROUTE], debias="content_free")
+    assert engine.content_free_passes == passes, "a held prior was evaluated again"
+    assert again.distributions[0].content_free["held"] is True
+    cold = _cold(engine, STATES[1], [ROUTE])
+    _same(again, cold)
+    # The cold request paid for the content-free pass; the held one did not.
+    assert again.evaluated_tokens < cold.evaluated_tokens
+    assert first.distributions[0].content_free["held"] is False
+
+
+def test_alternating_questions_through_a_small_store_evict_least_recently_used_and_stay_exact(fresh):
+    engine = fresh
+    sequence = [ROUTE, URGENT, ROUTE, TONE, URGENT, ROUTE, ROUTE]
+    states = [STATES[i % len(STATES)] for i in range(len(sequence))]
+    cold = [_cold(engine, state, [question]) for state, question in zip(states, sequence)]
+    start_cold(engine)
+    engine.content_free_entries = 2
+    held = []
+    for state, question, want in zip(states, sequence, cold):
+        passes = engine.content_free_passes
+        got = engine.score(state, [question], debias="content_free")
+        held.append(got.distributions[0].content_free["held"])
+        assert engine.content_free_passes == passes + (0 if held[-1] else 1)
+        assert len(engine._content_free) <= 2
+        _same(got, want)
+    # Two entries: ROUTE is used again before TONE arrives, so URGENT goes first, then ROUTE, then TONE.
+    assert held == [False, False, True, False, False, False, True]
+
+
+def test_least_recently_used_prior_is_evicted_first(fresh):
+    engine = fresh
+    engine.content_free_entries = 2
+    for question in (ROUTE, URGENT, ROUTE, TONE):  # ROUTE used again before TONE arrives: URGENT goes
+        engine.score(STATES[0], [question], debias="content_free")
+    held = {q.text: engine.score(STATES[1], [q], debias="content_free").distributions[0].content_free["held"]
+            for q in (ROUTE, TONE)}
+    assert held == {ROUTE.text: True, TONE.text: True}
+    assert engine.score(STATES[1], [URGENT], debias="content_free").distributions[0].content_free["held"] is False
+
+
+def test_more_questions_than_the_store_holds_are_answered_from_the_pass_itself(fresh):
+    engine = fresh
+    engine.content_free_entries = 1
+    got = engine.score(STATES[2], [ROUTE, URGENT, TONE], debias="content_free")
+    assert len(engine._content_free) == 1
+    engine.content_free_entries = 1
+    _same(got, _cold(engine, STATES[2], [ROUTE, URGENT, TONE]))
+
+
+def test_a_pass_cancelled_part_way_keeps_no_prior_and_the_next_request_is_exact(fresh):
+    engine = fresh
+    asked = []
+
+    def cancel():  # lets the content-free pass start, then stops it before its second question
+        asked.append(1)
+        return len(asked) > 1
+
+    with pytest.raises(Cancelled):
+        engine.score(STATES[0], [ROUTE, URGENT], debias="content_free", cancel=cancel)
+    assert len(engine._content_free) == 0
+    got = engine.score(STATES[0], [ROUTE, URGENT], debias="content_free")
+    assert [d.content_free["held"] for d in got.distributions] == [False, False]
+    _same(got, _cold(engine, STATES[0], [ROUTE, URGENT]))
+
+
+def test_the_token_budget_counts_the_content_free_pass(fresh):
+    engine = fresh
+    plain = engine.plan(STATES[0], [ROUTE], debias="none")
+    planned = engine.plan(STATES[0], [ROUTE], debias="content_free")
+    assert planned.worst_case_tokens == plain.worst_case_tokens + planned.content_free.worst_case_tokens
+    engine.plan(STATES[0], [ROUTE], debias="none", max_request_tokens=plain.worst_case_tokens)
+    with pytest.raises(TokenBudgetExceeded):
+        engine.plan(STATES[0], [ROUTE], debias="content_free", max_request_tokens=plain.worst_case_tokens)
+
+
+def test_sequence_scoring_refuses_content_free_naming_the_field(fresh):
+    with pytest.raises(PlanError) as refused:
+        fresh.plan(STATES[0], [ROUTE], scoring="sequence", debias="content_free")
+    assert refused.value.field == "debias" and "label scoring" in str(refused.value)
+
+
+def test_options_first_content_free_gives_the_cold_answer(fresh):
+    engine = fresh
+    engine.score(STATES[0], [ROUTE], debias="content_free", layout="options_first")
+    got = engine.score(STATES[1], [ROUTE], debias="content_free", layout="options_first")
+    assert got.distributions[0].content_free["held"] is True
+    _same(got, _cold(engine, STATES[1], [ROUTE], layout="options_first"))
+
+
+def test_the_recompute_record_reproduces_the_calibrated_logits(fresh, model_path):
+    got = fresh.score(STATES[1], [ROUTE], debias="content_free", return_prompt=True).distributions[0]
+    record = dict(got.recompute)
+    np.testing.assert_allclose(record["content_free_log_prior"], np.log(got.content_free["prior"]), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(recompute_logits(record, model_path, n_threads=2), got.option_logits, rtol=0, atol=1e-4)
+
+
+# ---- through HTTP --------------------------------------------------------------------------------------
+
+BODY = {"decision": {"id": "route", "state": STATES[0], "question": ROUTE.text,
+                     "options": [{"id": o.key, "description": o.description} for o in ROUTE.outcomes]}}
+
+
+def test_semif_and_system_one_report_the_prior_and_the_raw_answer(client, fresh):
+    response = client.post("/v1/semif", json={**BODY, "debias": "content_free"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["prompt"]["debias"] == "content_free"
+    record = body["prompt"]["content_free"]
+    assert record["state"] == CONTENT_FREE_STATE and sum(record["prior"]) == pytest.approx(1.0)
+    np.testing.assert_allclose(body["probabilities"], softmax(body["option_logits"]), rtol=0, atol=1e-9)
+    expected = np.log(record["probabilities"]) - np.log(record["prior"])
+    np.testing.assert_allclose(body["probabilities"], softmax(expected), rtol=0, atol=1e-6)
+    systemone = {"state": STATES[0], "debias": "content_free",
+                 "questions": {"route": {"type": "choice", "instructions": ROUTE.text,
+                                         "criteria": {o.key: o.description for o in ROUTE.outcomes}}}}
+    replies = [client.post("/v1/systemone", json={**systemone, "state": state}) for state in STATES[:2]]
+    assert [r.status_code for r in replies] == [200, 200], replies[-1].text
+    x = replies[1].json()["x_semif"]
+    assert x["debias"] == "content_free" and x["content_free"]["route"]["held"] is True  # kept from the first
+    assert x["content_free"]["route"]["prior"] == replies[0].json()["x_semif"]["content_free"]["route"]["prior"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/semif", {**BODY, "debias": "contentfree"}),
+    ("/v1/systemone", {"state": "x", "debias": "prior", "questions": {"q": {"type": "choice", "instructions": "?",
+                                                                              "criteria": {"a": "A", "b": "B"}}}}),
+])
+def test_an_unknown_debias_mode_is_a_422_naming_the_field(client, path, body):
+    response = client.post(path, json=body)
+    assert response.status_code == 422, response.text
+    assert "debias" in response.text
+    assert client.get("/ping").status_code == 200
+
+
+def test_a_content_free_request_under_batching_takes_the_serial_path(model_path, fresh):
+    from semif.serving.engine.batching import batchable, execute_batch
+
+    batched = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=1, n_seq=2)
+    try:
+        plans = [batched.plan(STATES[i], [ROUTE], debias=mode) for i, mode in ((0, "content_free"), (1, "none"))]
+        assert not batchable(batched, plans[0]) and batchable(batched, plans[1])
+        outcomes = execute_batch(batched, plans)
+        assert batched.batch_stats.serial_fallbacks == 1
+        _same(outcomes[0], _cold(fresh, STATES[0], [ROUTE]))
+    finally:
+        batched.close()
