@@ -2,8 +2,9 @@
 
 Batched answers are compared with serial ones computed for real on the session-scoped serial engine. They
 are not bit-equal: the batch shape changes llama.cpp's kernels and their float accumulation. DRIFT is
-the tolerance: tools/bench_batching.py measured at most 0.047 in any probability on SmolLM2-135M over the
-29 sample decisions with flash attention on (docs/benchmarks.md); a mixed-up answer (another question's or another state's)
+the tolerance: tools/bench_batching.py measured at most 0.057 in any probability on SmolLM2-135M over the
+29 sample decisions with flash attention on, 4 sequences (docs/benchmarks.md); through `serve`, where
+which requests share a decode varies, the tests bound logits instead (SERVE_LOGIT_DRIFT); a mixed-up answer (another question's or another state's)
 moves probabilities far more, and the checks below also compare label counts. Which request got which
 answer is checked on what the model computed: each batched answer's logits lie within the drift of its
 own serial answer and farther than the drift from another request's, chosen (and asserted) to lie more
@@ -29,14 +30,14 @@ from serving import make_settings, start_cold
 # (a memo hit would repeat the first answer).
 pytestmark = pytest.mark.usefixtures("memo_off")
 
-DRIFT = 0.1  # max |Δp| allowed between a batched and a serial answer (measured max: 0.047)
+DRIFT = 0.1  # max |Δp| allowed between a batched and a serial answer (measured max: 0.057, docs/benchmarks.md)
 # max |Δ logit| allowed between a batched and a serial answer: at most 0.142 measured on the four STATES with
 # ROUTE, flash attention off (the `batched` engine; 2026-12-02, batching.py as of commit dd5781d)
 LOGIT_DRIFT = 0.3
 # The same through `serve` with 8 concurrent clients, flash attention on (its default) on both sides: at most
-# 0.277 measured over the 8 requests of the test below (2026-12-02, batching.py as of commit dd5781d).
-MEASURED_SERVE_DRIFT = 0.277
-SERVE_LOGIT_DRIFT = 0.5  # the bound: drift varies with which requests share a decode
+# 0.357 seen over the 8 requests of the test below (2026-12-03, commit f2ede8c); it varies with which
+# requests share a decode.
+SERVE_LOGIT_DRIFT = 0.5
 N_SEQ = 4
 
 ROUTE = Question(
@@ -280,18 +281,24 @@ def test_batching_settings_are_read_and_bad_values_name_the_variable(model_path)
 OPTIONS = [{"id": "account_access"}, {"id": "billing"}, {"id": "shipping"}]
 
 
-def _body(i: int) -> dict:
-    return {"decision": {"id": f"d{i}", "state": f"Ticket {i}: {STATES[i % len(STATES)]}", "question": "Which queue?", "options": OPTIONS}}
+QUEUES = ["account_access", "billing", "shipping", "returns", "technical", "sales", "privacy", "partners", "other"]
 
 
-def _serial_probabilities(client, engine, bodies) -> list[list[float]]:
-    """The serial answers, through the same contract, from the in-process app on the session-scoped serial engine."""
+def _body(i: int, n_options: int = 3) -> dict:
+    options = [{"id": queue} for queue in QUEUES[:n_options]]
+    return {"decision": {"id": f"d{i}", "state": f"Ticket {i}: {STATES[i % len(STATES)]}", "question": "Which queue?",
+                         "options": options}}
+
+
+def _serial_logits(client, engine, bodies) -> list[np.ndarray]:
+    """The serial answers' logits, through the same contract, from the in-process app on the session-scoped
+    serial engine."""
     answers = []
     for body in bodies:
         start_cold(engine)
         response = client.post("/invocations", json=body)
         assert response.status_code == 200, response.text
-        answers.append(response.json()["probabilities"])
+        answers.append(np.asarray(response.json()["option_logits"]))
     return answers
 
 
@@ -303,7 +310,10 @@ def test_queued_requests_share_a_decode_and_each_gets_its_own_answer(start_serve
     server = start_serve(SEMIF_BATCHING=1, SEMIF_N_SEQ=N_SEQ, SEMIF_N_THREADS=1, SEMIF_MAX_QUEUE=32)
     loaded = [line for line in server.log_lines() if line.get("message") == "model loaded"]
     assert loaded[0]["n_seq"] == N_SEQ
-    bodies = [_body(i) for i in range(8)]
+    # Each request has its own number of options (2 to 9): an answer given to the wrong request has the
+    # wrong length, whatever the logits. (That each sequence's logits row goes to its own request is checked
+    # on the engine, where the drift is smaller: test_requests_with_different_states_share_one_decode_….)
+    bodies = [_body(i, n_options=2 + i) for i in range(8)]
     # Serial answers through the same contract, from an engine built as `serve` builds it (flash attention on).
     from starlette.testclient import TestClient
 
@@ -325,18 +335,13 @@ def test_queued_requests_share_a_decode_and_each_gets_its_own_answer(start_serve
         outcomes = list(pool.map(call, range(len(bodies))))
     for i, response in outcomes:
         assert response.status_code == 200, response.text
-        got = np.asarray(response.json()["option_logits"])
-        # Its own answer, told apart from the others' by the logits the model computed: within the drift of
-        # its serial answer, and nearer its own serial answer than every serial answer that lies more than
-        # twice the measured drift away from its own (there is always one: asserted, so the check never goes
-        # vacuous). Which requests share a decode varies from run to run, and so does the drift.
+        answer = response.json()
+        assert answer["id"] == f"d{i}" and answer["option_ids"] == [o["id"] for o in bodies[i]["decision"]["options"]]
+        got = np.asarray(answer["option_logits"])
+        assert got.shape == serial[i].shape == (2 + i,), f"request {i} got another request's answer"
         own = np.max(np.abs(got - serial[i]))
         assert own <= SERVE_LOGIT_DRIFT, f"request {i}: {own:.3f}"
-        assert np.max(np.abs(np.subtract(response.json()["probabilities"], softmax(serial[i])))) <= DRIFT
-        others = [j for j in range(len(bodies)) if np.max(np.abs(serial[j] - serial[i])) > 2 * MEASURED_SERVE_DRIFT]
-        assert others, f"request {i}: no other request's answer is far enough from its own to tell a swap"
-        for j in others:
-            assert np.max(np.abs(got - serial[j])) > own, f"request {i} got request {j}'s answer"
+        np.testing.assert_allclose(answer["probabilities"], softmax(got), rtol=0, atol=1e-9)
     shared = [line["batch_requests"] for line in _requests_logged(server)]
     assert len(shared) == len(bodies)
     assert max(shared) > 1, f"8 concurrent clients never shared a decode: {shared}"
@@ -345,7 +350,7 @@ def test_queued_requests_share_a_decode_and_each_gets_its_own_answer(start_serve
 def test_full_queue_still_answers_503_with_retry_after_under_batching(start_serve, client, engine):
     server = start_serve(SEMIF_BATCHING=1, SEMIF_N_SEQ=2, SEMIF_N_THREADS=1, SEMIF_MAX_QUEUE=1, SEMIF_RETRY_AFTER_S=2)
     bodies = [_body(i) for i in range(4)]
-    serial = _serial_probabilities(client, engine, bodies)
+    serial = _serial_logits(client, engine, bodies)
 
     def call(i):
         with httpx.Client(timeout=300) as http:
@@ -363,7 +368,7 @@ def test_full_queue_still_answers_503_with_retry_after_under_batching(start_serv
             assert response.json()["error"]["code"] == "overloaded"
         else:
             assert response.json()["id"] == f"d{i % 4}"
-            assert np.max(np.abs(np.subtract(response.json()["probabilities"], serial[i % 4]))) <= DRIFT
+            assert np.max(np.abs(np.subtract(response.json()["option_logits"], serial[i % 4]))) <= SERVE_LOGIT_DRIFT
     logged = _requests_logged(server)
     assert sum(line["status"] == 503 and line["reason"] == "queue_full" for line in logged) == statuses.count(503)
 
