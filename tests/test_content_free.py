@@ -221,15 +221,48 @@ def test_an_unknown_debias_mode_is_a_422_naming_the_field(client, path, body):
     assert client.get("/ping").status_code == 200
 
 
-def test_a_content_free_request_under_batching_takes_the_serial_path(model_path, fresh):
+def test_under_batching_the_prior_is_evaluated_serially_and_the_questions_share_a_decode(model_path, fresh):
     from semif.serving.engine.batching import batchable, execute_batch
 
     batched = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=1, n_seq=2)
     try:
         plans = [batched.plan(STATES[i], [ROUTE], debias=mode) for i, mode in ((0, "content_free"), (1, "none"))]
-        assert not batchable(batched, plans[0]) and batchable(batched, plans[1])
-        outcomes = execute_batch(batched, plans)
-        assert batched.batch_stats.serial_fallbacks == 1
-        _same(outcomes[0], _cold(fresh, STATES[0], [ROUTE]))
+        assert batchable(batched, plans[0]) and batchable(batched, plans[1])
+        shared = batched.batch_stats.shared_waves
+        first, plain = execute_batch(batched, plans)
+        assert batched.batch_stats.shared_waves == shared + 1 and batched.batch_stats.serial_fallbacks == 0
+        cold = _cold(fresh, STATES[0], [ROUTE]).distributions[0]
+        got = first.distributions[0]
+        # The prior comes from the serial path: exactly the cold one. The question shared a decode: its raw
+        # logits are within the batching drift (tests/test_batching.py), and the prior divided out of them.
+        assert got.debias == "content_free" and got.content_free["held"] is False
+        np.testing.assert_allclose(got.content_free["prior"], cold.content_free["prior"], rtol=0, atol=1e-9)
+        np.testing.assert_allclose(got.content_free["option_logits"], cold.content_free["option_logits"], rtol=0, atol=0.3)
+        np.testing.assert_allclose(np.subtract(got.content_free["option_logits"], got.option_logits),
+                                   np.log(got.content_free["prior"]), rtol=0, atol=1e-9)
+        assert plain.distributions[0].debias == "none" and plain.distributions[0].content_free is None
+        # The next batch finds the prior held and evaluates no content-free pass.
+        passes = batched.content_free_passes
+        [again] = execute_batch(batched, [batched.plan(STATES[2], [ROUTE], debias="content_free")])
+        assert batched.content_free_passes == passes and again.distributions[0].content_free["held"] is True
+    finally:
+        batched.close()
+
+
+def test_a_batched_request_cancelled_in_its_content_free_pass_keeps_nothing_and_the_others_answer(model_path, fresh):
+    from semif.serving.engine.batching import execute_batch
+
+    batched = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=1, n_seq=2)
+    try:
+        plans = [batched.plan(STATES[0], [ROUTE, URGENT], debias="content_free"), batched.plan(STATES[1], [ROUTE])]
+        asked = []
+
+        def stop_in_the_pass():  # the pass asks before each of its questions: stop before the second
+            asked.append(1)
+            return len(asked) > 1
+
+        stopped, other = execute_batch(batched, plans, [stop_in_the_pass, None])
+        assert isinstance(stopped, Cancelled) and len(batched._content_free) == 0
+        assert other.distributions[0].debias == "none"
     finally:
         batched.close()

@@ -79,6 +79,7 @@ class _Account:
     done: int = 0
     error: Optional[BaseException] = None
     shared_with: set = field(default_factory=set)  # other plans that shared one of its decodes
+    priors: Any = None  # debias "content_free": its priors, held or evaluated serially before the waves
 
 
 @dataclass
@@ -105,7 +106,6 @@ def batchable(engine, plan: PromptPlan) -> bool:
         # step reads one label row per question from one shared prefix.
         and plan.injection_check is None
         and plan.second_look is None
-        and plan.content_free is None  # its prior may need a pass of its own first
         and all(q.reversed is None and q.temperature is None and q.own_prefix_segments is None for q in plan.questions)
     )
 
@@ -131,6 +131,14 @@ def execute_batch(engine, plans: Sequence[PromptPlan], cancels: Optional[Sequenc
         try:
             if not engine.prefix_cache:
                 engine.invalidate()
+            # debias "content_free": a prior not held yet is evaluated first, on the serial path (exact, and
+            # kept for the next request); the questions themselves then share the waves like any other.
+            for acc in accounts.values():
+                if acc.plan.content_free is not None:
+                    try:
+                        acc.priors = engine.content_free_priors(acc.plan, acc.cancel)
+                    except Cancelled as stopped:
+                        acc.error = stopped
             while queue:
                 wave = _take_wave(engine, queue, accounts, Cancelled)
                 if wave:
@@ -141,7 +149,12 @@ def execute_batch(engine, plans: Sequence[PromptPlan], cancels: Optional[Sequenc
                 acc.error = acc.error or exc
     elapsed_ms = (time.perf_counter() - started) * 1000
     for i, acc in accounts.items():
-        outcomes[i] = acc.error if acc.error is not None else _result(acc, elapsed_ms)
+        if acc.error is not None:
+            outcomes[i] = acc.error
+        else:
+            outcomes[i] = _result(acc, elapsed_ms)
+            if acc.priors is not None:
+                outcomes[i] = engine.apply_content_free(outcomes[i], acc.priors)
     for i in serial:  # exact serial path, after the batch (it takes the engine lock itself)
         stats.serial_fallbacks += 1
         try:

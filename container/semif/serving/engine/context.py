@@ -1033,6 +1033,28 @@ class Engine:
             self._content_free.popitem(last=False)
         return _Priors(computed, [False] * len(keys), result.evaluated_tokens)
 
+    def content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]] = None) -> "_Priors":
+        """The plan's content-free priors (held, or evaluated now on the serial path) for a caller that holds
+        ``lock`` and scores the plan itself (batching.py). Cancelled passes through; any other failure
+        empties the context, as ``execute`` does."""
+        self._cancel, self._cancel_progress, self._unchecked_tokens = cancel, (0, len(plan.questions)), 0
+        try:
+            return self._content_free_priors(plan, cancel, time.perf_counter())
+        except Cancelled:
+            raise
+        except BaseException:
+            self.invalidate()
+            raise
+        finally:
+            self._cancel = None
+
+    @staticmethod
+    def apply_content_free(result: ScoreResult, priors: "_Priors") -> ScoreResult:
+        """A result scored without its priors (batching.py), with them divided out, as ``execute`` does."""
+        result.distributions = [_apply_prior(d, p, h) for d, p, h in zip(result.distributions, priors.priors, priors.held)]
+        result.evaluated_tokens += priors.evaluated_tokens
+        return result
+
     def clear_content_free(self) -> None:
         """Forget every content-free prior (the next content_free request evaluates its own again)."""
         self._content_free.clear()
