@@ -127,8 +127,10 @@ class Settings:
     # Run the injection check on every request that does not say; a policy with
     # max_injection turns it on for its requests regardless.
     injection_check: bool = False
-    # Order debiasing by default (a request's `debias` overrides it): see docs/explanation/scoring.md, "Option order debiasing".
-    debias: str = "none"
+    # Debiasing by default (a request's `debias` overrides it): content_free divides out each option's
+    # content-free prior (label scoring; cloze requests and native decision models keep "none"). See
+    # docs/explanation/scoring.md, "Content-free calibration", and docs/benchmarks.md, "Template changes".
+    debias: str = "content_free"
     # Several sequences per decode (semif/serving/engine/batching.py): off by default, so that an answer never
     # depends on the batch it was computed in. n_seq is read only when batching is on.
     batching: bool = False
@@ -149,7 +151,7 @@ class Settings:
         scoring = env.get("SEMIF_SCORING", "label").strip().lower() or "label"
         if scoring not in SCORING_METHODS:
             raise SettingsError(f"SEMIF_SCORING={scoring!r} must be one of {', '.join(SCORING_METHODS)}")
-        debias = env.get("SEMIF_DEBIAS", "none").strip().lower() or "none"
+        debias = env.get("SEMIF_DEBIAS", "content_free").strip().lower() or "content_free"
         if debias not in DEBIAS_MODES:
             raise SettingsError(f"SEMIF_DEBIAS={debias!r} must be one of {', '.join(DEBIAS_MODES)}")
         log_level = env.get("SEMIF_LOG_LEVEL", "INFO").strip().upper() or "INFO"

@@ -3,7 +3,7 @@ minimising NLL, report k-fold cross-validated NLL and ECE before/after, and writ
 the adapter loads from `SEMIF_CALIBRATION_PATH`.
 
     semif-calibrate data.jsonl --model model.gguf --out calibration.json [--scoring label,sequence]
-        [--layout state_first,options_first] [--debias none,reverse]
+        [--layout state_first,options_first] [--debias none,reverse,content_free]
     semif-calibrate data.jsonl --url http://127.0.0.1:8080 --out calibration.json
 
 One fit per scoring × layout × debias asked for: each is bound to the kind of logits it was measured on,
@@ -111,7 +111,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--policy", help="default abstention policy to store in the file (JSON)")
     parser.add_argument("--layout", default="state_first",
                         help="prompt layout(s) to fit, comma-separated: state_first, options_first (default: state_first)")
-    parser.add_argument("--debias", default="none", help="order debiasing mode(s) to fit, comma-separated: none, reverse (default: none)")
+    parser.add_argument("--debias", default="none", help="debiasing mode(s) to fit, comma-separated: none, reverse, content_free (default: none)")
     args = parser.parse_args(argv)
     if args.no_contextual:
         args.contextual = "off"
@@ -132,6 +132,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     kinds = [FitKind(scoring, layout, debias) for scoring in parse_scorings(args.scoring)
              for layout in parse_choices(args.layout, LAYOUTS, "--layout")
              for debias in parse_choices(args.debias, DEBIAS_MODES, "--debias")]
+    # content_free reads label probabilities: it has no cloze (sequence) kind to fit.
+    skipped = [kind for kind in kinds if kind.scoring == "sequence" and kind.debias == "content_free"]
+    kinds = [kind for kind in kinds if kind not in skipped]
+    for kind in skipped:
+        console.print(f"semif-calibrate: skipping {kind}: debias content_free needs label scoring")
     target = make_target(args)
     try:
         fitted: dict[FitKind, dict] = {}

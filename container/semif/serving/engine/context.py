@@ -521,6 +521,7 @@ class Engine:
         debias: Optional[str] = None,
         second_look: Optional[SecondLook] = None,
         second_look_field: str = "second_look",
+        default_debias: Optional[str] = None,
     ) -> PromptPlan:
         """Everything per request that does not need the context: fencing, tokens, labels, length and
         budget checks. Safe to call from any thread while the model thread computes: llama.cpp's
@@ -530,7 +531,8 @@ class Engine:
             planned = self.plan(state_text, questions, scoring=scoring, return_prompt=return_prompt,
                                 state_field=state_field, question_fields=question_fields,
                                 question_names=question_names, budget_field=budget_field, max_request_tokens=None,
-                                layout=layout, injection_check=injection_check, layout_field=layout_field, debias=debias)
+                                layout=layout, injection_check=injection_check, layout_field=layout_field, debias=debias,
+                                default_debias=default_debias)
             if planned.scoring != "label" or self.native is not None:
                 raise SecondLookUnsupported("the second look reads labels: it needs label scoring on a chat model",
                                             field=second_look_field)
@@ -549,7 +551,13 @@ class Engine:
         scoring = scoring or self.default_scoring
         if scoring not in ("label", "sequence"):
             raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
-        debias = debias or getattr(self, "default_debias", "none")
+        if debias is None:
+            # The server's default (``default_debias``, else SEMIF_DEBIAS as serve set it) applies where it can:
+            # content_free reads label probabilities, so cloze scoring and native decision models keep "none"
+            # unless the request asks for it (then they are refused, naming the field).
+            debias = default_debias or getattr(self, "default_debias", "none")
+            if debias == "content_free" and (scoring != "label" or self.native is not None):
+                debias = "none"
         if debias not in DEBIAS_MODES:
             raise PlanError(f"unknown debias mode {debias!r}; use one of {', '.join(DEBIAS_MODES)}", field="debias")
         if self.native is not None:

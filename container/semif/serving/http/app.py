@@ -144,7 +144,7 @@ class DecisionService:
                 state_field=job.state_field, question_fields=job.question_fields, question_names=job.question_names,
                 budget_field=job.budget_field, max_request_tokens=self.settings.max_request_tokens,
                 **self.prompt_options(job),
-                debias=job.debias or self.settings.debias,
+                debias=job.debias, default_debias=self.settings.debias,
             )
             fields.update(layout=plan.layout, plan_template_version=plan.template_version)
             cancel = Cancellation(time.monotonic() + self.settings.request_deadline_s - (time.perf_counter() - started))
@@ -260,7 +260,7 @@ class DecisionService:
                     state_field=job.state_field, question_fields=job.question_fields,
                     question_names=job.question_names, budget_field=job.budget_field,
                     max_request_tokens=max_request_tokens, **self.prompt_options(job),
-                    debias=job.debias or self.settings.debias,
+                    debias=job.debias, default_debias=self.settings.debias,
                 )
             except TokenBudgetExceeded as over:
                 raise RequestError(413, over.code, f"the record may evaluate up to {over.tokens} tokens; a batch record "
