@@ -11,6 +11,10 @@ and the state is new). Decisions go row by row through every style, so a run sto
 the styles on the same decisions.
 
 usage: python tools/template_eval.py MODEL.gguf [--data FILE] [--limit N] [--styles a,b,...] [--json OUT]
+       python tools/template_eval.py --summarise REPORT.json     # a stored report's figures again, from its records
+
+The "content-free" columns are what `debias: content_free` (the server default) answers: each order's
+probabilities divided by that order's content-free ones, the same prompt and the same arithmetic.
 """
 from __future__ import annotations
 
@@ -54,13 +58,19 @@ def question_of(row: dict, reverse: bool = False) -> P.Question:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", type=Path)
+    parser.add_argument("model", type=Path, nargs="?")
+    parser.add_argument("--summarise", type=Path, default=None, metavar="REPORT",
+                        help="print (and store in REPORT) the figures of a stored report, from its records")
     parser.add_argument("--data", type=Path, default=REPO / "data" / "decisions-dev.jsonl")
     parser.add_argument("--limit", type=int, default=None, help="the first N decisions of the file")
     parser.add_argument("--styles", default="v2,v3", help=f"comma-separated, of {', '.join(STYLES)}")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None, help="every decision's probabilities per style")
     args = parser.parse_args()
+    if args.summarise is not None:
+        return resummarise(args.summarise)
+    if args.model is None:
+        parser.error("MODEL is required (or --summarise REPORT)")
     names = [n.strip() for n in args.styles.split(",") if n.strip()]
     unknown = [n for n in names if n not in STYLES]
     if unknown:
@@ -79,7 +89,7 @@ def main() -> None:
 
     def score(name: str, state: str, question: P.Question):
         engine.template = templates[name]
-        return engine.score(state, [question], layout=STYLES[name][1])
+        return engine.score(state, [question], layout=STYLES[name][1], debias="none")
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
@@ -116,12 +126,25 @@ def main() -> None:
             "summary": summary, "records": records}, indent=1) + "\n")
 
 
+def resummarise(path: Path) -> int:
+    """A stored report's summary recomputed from its records (figures added since it ran included)."""
+    stored = json.loads(path.read_text())
+    names = list(stored["styles"])
+    old = stored.get("summary", {})
+    head = {n: old[n]["prompt_tokens"] - old[n]["after_head_tokens"] for n in names}
+    stored["summary"] = summarise(stored["records"], names, head)
+    report(stored["summary"], stored["decisions"])
+    path.write_text(json.dumps(stored, indent=1) + "\n")
+    return 0
+
+
 def summarise(records: list[dict], names: list[str], head_tokens: dict[str, int]) -> dict:
     out = {}
     for name in names:
         mine = [r for r in records if r["style"] == name]
         by_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        fwd = rev = stable = mean = calibrated = 0
+        fwd = rev = stable = mean = calibrated = cf_fwd = cf_rev = cf_stable = 0
+        cf_by_cat: dict[str, int] = defaultdict(int)
         tokens, evaluated, mass = [], [], []
         for r in mine:
             f, b = np.asarray(r["forward"]["probabilities"]), np.asarray(r["reversed"]["probabilities"])
@@ -132,6 +155,13 @@ def summarise(records: list[dict], names: list[str], head_tokens: dict[str, int]
             mean += int((f + b).argmax() == gold)
             cf = (f / np.maximum(r["forward"]["content_free"], 1e-9) + b / np.maximum(r["reversed"]["content_free"], 1e-9))
             calibrated += int(cf.argmax() == gold)
+            # debias content_free, per order: that order's probabilities over its own content-free ones.
+            cf_f = f / np.maximum(r["forward"]["content_free"], 1e-9)
+            cf_b = b / np.maximum(r["reversed"]["content_free"], 1e-9)
+            cf_fwd += int(cf_f.argmax() == gold)
+            cf_rev += int(cf_b.argmax() == gold)
+            cf_stable += int(cf_f.argmax() == cf_b.argmax())
+            cf_by_cat[r["category"]] += int(cf_f.argmax() == gold)
             by_cat[r["category"]][0] += int(f.argmax() == gold)
             by_cat[r["category"]][1] += 1
             tokens.append(r["forward"]["tokens"])
@@ -140,6 +170,9 @@ def summarise(records: list[dict], names: list[str], head_tokens: dict[str, int]
         n = max(len(mine), 1)
         out[name] = {"n": len(mine), "forward": fwd / n, "reversed": rev / n, "stable": stable / n,
                      "mean_of_orders": mean / n, "calibrated_mean": calibrated / n,
+                     "content_free_forward": cf_fwd / n, "content_free_reversed": cf_rev / n,
+                     "content_free_stable": cf_stable / n,
+                     "content_free_per_category": {c: cf_by_cat[c] / v[1] for c, v in sorted(by_cat.items())},
                      "prompt_tokens": float(np.mean(tokens)) if tokens else 0.0,
                      "after_head_tokens": float(np.mean(tokens)) - head_tokens[name] if tokens else 0.0,
                      "evaluated_tokens": float(np.mean(evaluated)) if evaluated else 0.0,
@@ -151,11 +184,14 @@ def summarise(records: list[dict], names: list[str], head_tokens: dict[str, int]
 def report(summary: dict, n_rows: int) -> None:
     table = Table(title=f"{n_rows} decisions, both orders")
     for column in ("style", "forward", "reversed", "same both ways", "mean of orders", "calibrated mean",
+                   "content-free forward", "content-free reversed", "content-free same both ways",
                    "prompt tokens", "after head", "evaluated", "label mass"):
         table.add_column(column)
     for name, s in summary.items():
         table.add_row(name, f"{s['forward']:.3f}", f"{s['reversed']:.3f}", f"{s['stable']:.3f}",
-                      f"{s['mean_of_orders']:.3f}", f"{s['calibrated_mean']:.3f}", f"{s['prompt_tokens']:.1f}",
+                      f"{s['mean_of_orders']:.3f}", f"{s['calibrated_mean']:.3f}",
+                      f"{s['content_free_forward']:.3f}", f"{s['content_free_reversed']:.3f}",
+                      f"{s['content_free_stable']:.3f}", f"{s['prompt_tokens']:.1f}",
                       f"{s['after_head_tokens']:.1f}", f"{s['evaluated_tokens']:.1f}", f"{s['label_mass']:.3f}")
     Console().print(table)
     cats = sorted({c for s in summary.values() for c in s["per_category"]})
@@ -165,6 +201,7 @@ def report(summary: dict, n_rows: int) -> None:
         table.add_column(c)
     for name, s in summary.items():
         table.add_row(name, *[f"{s['per_category'].get(c, 0):.2f}" for c in cats])
+        table.add_row(f"{name}, content-free", *[f"{s['content_free_per_category'].get(c, 0):.2f}" for c in cats])
     Console().print(table)
 
 
