@@ -95,6 +95,13 @@ def test_a_held_prior_costs_no_tokens_and_gives_the_cold_answer(fresh):
     # The cold request paid for the content-free pass; the held one did not.
     assert again.evaluated_tokens < cold.evaluated_tokens
     assert first.distributions[0].content_free["held"] is False
+    # From a cold engine nothing was reused from an earlier request, though the content-free pass
+    # evaluated the template head before the question's own prompt reused it.
+    assert first.cached_tokens == 0 and first.state_cached_tokens == 0
+    assert first.distributions[0].content_free["evaluated_tokens"] > 0
+    assert again.distributions[0].content_free["evaluated_tokens"] == 0
+    assert first.evaluated_tokens == (first.distributions[0].evaluated_tokens
+                                      + first.distributions[0].content_free["evaluated_tokens"])
 
 
 def test_alternating_questions_through_a_small_store_evict_least_recently_used_and_stay_exact(fresh):

@@ -94,6 +94,7 @@ class _Priors(NamedTuple):
     priors: list[list[float]]
     held: list[bool]
     evaluated_tokens: int
+    per_question: list[int]  # of those, each question's (its content-free suffix, the prefix with the first)
 
 
 def _log_softmax(logits: Sequence[float]) -> list[float]:
@@ -101,13 +102,13 @@ def _log_softmax(logits: Sequence[float]) -> list[float]:
     return (values - _logsumexp(values)).tolist()
 
 
-def _apply_prior(dist: Distribution, prior: Sequence[float], held: bool) -> Distribution:
+def _apply_prior(dist: Distribution, prior: Sequence[float], held: bool, evaluated: int = 0) -> Distribution:
     """Contextual calibration: the raw logits less the content-free log-prior (each probability divided by
     the option's content-free probability, renormalised). The raw answer stays in ``content_free``."""
     raw = list(dist.option_logits)
     dist.option_logits = (np.asarray(raw, dtype=np.float64) - np.asarray(prior, dtype=np.float64)).tolist()
     dist.content_free = {"state": CONTENT_FREE_STATE, "prior": softmax(prior), "held": held,
-                         "option_logits": raw, "probabilities": dist.probabilities}
+                         "evaluated_tokens": evaluated, "option_logits": raw, "probabilities": dist.probabilities}
     dist.probabilities = softmax(dist.option_logits)
     dist.debias = "content_free"
     if dist.recompute is not None:
@@ -1030,7 +1031,7 @@ class Engine:
         if all(prior is not None for prior in held):
             for key in keys:
                 self._content_free.move_to_end(key)
-            return _Priors(held, [True] * len(keys), 0)
+            return _Priors(held, [True] * len(keys), 0, [0] * len(keys))
         result = self._execute(content_free, cancel, started)
         self.content_free_passes += 1
         computed = [_log_softmax(d.option_logits) for d in result.distributions]
@@ -1039,7 +1040,8 @@ class Engine:
             self._content_free.move_to_end(key)
         while len(self._content_free) > self.content_free_entries:
             self._content_free.popitem(last=False)
-        return _Priors(computed, [False] * len(keys), result.evaluated_tokens)
+        return _Priors(computed, [False] * len(keys), result.evaluated_tokens,
+                       [d.evaluated_tokens for d in result.distributions])
 
     def content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]] = None) -> "_Priors":
         """The plan's content-free priors (held, or evaluated now on the serial path) for a caller that holds
@@ -1059,7 +1061,8 @@ class Engine:
     @staticmethod
     def apply_content_free(result: ScoreResult, priors: "_Priors") -> ScoreResult:
         """A result scored without its priors (batching.py), with them divided out, as ``execute`` does."""
-        result.distributions = [_apply_prior(d, p, h) for d, p, h in zip(result.distributions, priors.priors, priors.held)]
+        result.distributions = [_apply_prior(d, p, h, e) for d, p, h, e in
+                                zip(result.distributions, priors.priors, priors.held, priors.per_question)]
         result.evaluated_tokens += priors.evaluated_tokens
         return result
 
@@ -1071,7 +1074,9 @@ class Engine:
                  priors: Optional["_Priors"] = None) -> ScoreResult:
         if not self.prefix_cache:
             self.invalidate()
-        self._decoded_from = None
+        if priors is None or all(priors.held):
+            # A content-free pass run for this request counts too: what it decoded was not reused.
+            self._decoded_from = None
         prefix = [list(s) for s in plan.prefix_segments]
         self._note_prefix(prefix)
         prefix_len = plan.state_tokens
@@ -1111,7 +1116,8 @@ class Engine:
                 memo_suffix_tokens += memo_tokens
                 distributions[index] = dist
         if priors is not None:
-            distributions = [_apply_prior(d, prior, held) for d, prior, held in zip(distributions, priors.priors, priors.held)]
+            distributions = [_apply_prior(d, p, h, e) for d, p, h, e in
+                             zip(distributions, priors.priors, priors.held, priors.per_question)]
             evaluated += priors.evaluated_tokens
         if plan.second_look is not None:
             for index in range(len(plan.questions)):
