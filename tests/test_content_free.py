@@ -8,6 +8,8 @@ engine keeps it; every kept or evicted prior is compared here with a cold comput
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -151,8 +153,9 @@ def test_a_pass_cancelled_part_way_keeps_no_prior_and_the_next_request_is_exact(
         asked.append(1)
         return len(asked) > 1
 
-    with pytest.raises(Cancelled):
+    with pytest.raises(Cancelled) as stopped:
         engine.score(STATES[0], [ROUTE, URGENT], debias="content_free", cancel=cancel)
+    assert stopped.value.done == 0  # none of the request's own questions was answered
     assert len(engine._content_free) == 0
     got = engine.score(STATES[0], [ROUTE, URGENT], debias="content_free")
     assert [d.content_free["held"] for d in got.distributions] == [False, False]
@@ -167,6 +170,33 @@ def test_the_token_budget_counts_the_content_free_pass(fresh):
     engine.plan(STATES[0], [ROUTE], debias="none", max_request_tokens=plain.worst_case_tokens)
     with pytest.raises(TokenBudgetExceeded):
         engine.plan(STATES[0], [ROUTE], debias="content_free", max_request_tokens=plain.worst_case_tokens)
+
+
+def test_a_new_question_beside_held_ones_evaluates_only_its_own_prior(fresh):
+    engine = fresh
+    engine.score(STATES[0], [ROUTE], debias="content_free")
+    passes = engine.content_free_passes
+    got = engine.score(STATES[1], [ROUTE, TONE], debias="content_free")
+    assert engine.content_free_passes == passes + 1
+    assert [d.content_free["held"] for d in got.distributions] == [True, False]
+    assert got.distributions[0].content_free["evaluated_tokens"] == 0 < got.distributions[1].content_free["evaluated_tokens"]
+    _same(got, _cold(engine, STATES[1], [ROUTE, TONE]))
+
+
+def test_under_the_default_a_request_over_budget_with_its_prior_is_answered_without_it(fresh):
+    engine = fresh
+    plain = engine.plan(STATES[0], [ROUTE], debias="none")
+    budget = plain.worst_case_tokens
+    by_default = engine.plan(STATES[0], [ROUTE], default_debias="content_free", max_request_tokens=budget)
+    assert by_default.debias == "none" and by_default.content_free is None
+    assert engine.plan(STATES[0], [ROUTE], default_debias="content_free").debias == "content_free"
+    with pytest.raises(TokenBudgetExceeded) as over:
+        engine.plan(STATES[0], [ROUTE], debias="content_free", max_request_tokens=budget)
+    assert over.value.field == "debias" and "debias 'none'" in str(over.value)
+
+
+def test_under_the_default_cloze_scoring_keeps_none_and_asked_for_it_is_refused(fresh):
+    assert fresh.plan(STATES[0], [ROUTE], scoring="sequence", default_debias="content_free").debias == "none"
 
 
 def test_sequence_scoring_refuses_content_free_naming_the_field(fresh):
@@ -214,6 +244,34 @@ def test_semif_and_system_one_report_the_prior_and_the_raw_answer(client, fresh)
     x = replies[1].json()["x_semif"]
     assert x["debias"] == "content_free" and x["content_free"]["route"]["held"] is True  # kept from the first
     assert x["content_free"]["route"]["prior"] == replies[0].json()["x_semif"]["content_free"]["route"]["prior"]
+
+
+def test_asking_for_content_free_with_cloze_scoring_is_a_422_naming_debias_on_every_path(client):
+    body = {**BODY, "scoring": "sequence", "debias": "content_free"}
+    response = client.post("/v1/semif", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == "debias"
+    line = client.post("/invocations", content=(json.dumps(body) + "\n").encode(),
+                       headers={"content-type": "application/jsonlines"})
+    assert line.status_code == 200, line.text
+    [record] = [json.loads(text) for text in line.text.splitlines() if text.strip()]
+    assert record["error"]["field"] == "debias" and record["id"] == "route"
+    assert client.get("/ping").status_code == 200
+    # The default is not asked for: the same request without `debias` is scored with cloze, uncalibrated.
+    plain = client.post("/v1/semif", json={**BODY, "scoring": "sequence"})
+    assert plain.status_code == 200 and plain.json()["prompt"]["debias"] == "none"
+
+
+def test_openai_decisions_answers_say_they_were_debiased(client, fresh):
+    body = {"model": "gpt-6-luna", "input": STATES[0], "questions": [
+        {"type": "choice", "name": "route", "instructions": ROUTE.text,
+         "choices": [{"value": o.key, "description": o.description} for o in ROUTE.outcomes]}]}
+    debiased = client.post("/v1/decisions", json=body)
+    assert debiased.status_code == 200, debiased.text
+    x = debiased.json()["x_semif"]
+    assert x["debias"] == "content_free" and x["content_free"][0]["state"] == CONTENT_FREE_STATE
+    raw = client.post("/v1/decisions", json={**body, "debias": "none"}).json()
+    assert raw["x_semif"]["debias"] == "none" and "content_free" not in raw["x_semif"]
 
 
 @pytest.mark.parametrize("path, body", [

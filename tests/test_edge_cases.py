@@ -101,7 +101,7 @@ def test_the_tiny_model_really_scores_the_ruled_out_label_minus_infinity(ruled_o
     assert all(np.isfinite(row[t]) for v in (dist.label_variant_ids[0], dist.label_variant_ids[2]) for t in v)
 
 
-@pytest.mark.parametrize("debias", ["none", "reverse"])
+@pytest.mark.parametrize("debias", ["none", "reverse", "content_free"])
 def test_a_label_at_minus_infinity_in_every_variant_gets_probability_zero_not_nan_or_500(ruled_out_engine, debias):
     from semif.serving.engine.context import RULED_OUT_LOGIT
 
@@ -113,7 +113,7 @@ def test_a_label_at_minus_infinity_in_every_variant_gets_probability_zero_not_na
     assert all(math.isfinite(x) for x in body["option_logits"] + body["probabilities"] + [body["label_mass"]])
     assert sum(body["probabilities"]) == pytest.approx(1.0)
     assert body["choice"] != "shipping" and 0.0 < body["label_mass"] < 1.0
-    if debias == "none":  # exactly 0; the others keep the softmax of their own logits
+    if debias in ("none", "content_free"):  # exactly 0; the others keep the softmax of their own logits
         assert body["option_logits"][1] == RULED_OUT_LOGIT and body["probabilities"][1] == 0.0
         a, c = body["option_logits"][0], body["option_logits"][2]
         assert body["probabilities"][0] == pytest.approx(1 / (1 + math.exp(c - a)), abs=1e-9)

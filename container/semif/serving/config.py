@@ -131,6 +131,8 @@ class Settings:
     # content-free prior (label scoring; cloze requests and native decision models keep "none"). See
     # docs/explanation/scoring.md, "Content-free calibration", and docs/benchmarks.md, "Template changes".
     debias: str = "content_free"
+    # debias content_free: content-free priors kept, one per question and option set (a few floats each).
+    content_free_entries: int = 1024
     # Several sequences per decode (semif/serving/engine/batching.py): off by default, so that an answer never
     # depends on the batch it was computed in. n_seq is read only when batching is on.
     batching: bool = False
@@ -217,6 +219,7 @@ class Settings:
             layout=layout,
             injection_check=_bool(env, "SEMIF_INJECTION_CHECK", False),
             debias=debias,
+            content_free_entries=_int(env, "SEMIF_CONTENT_FREE_ENTRIES", 1024, minimum=1),
             batching=batching,
             n_seq=n_seq,
         )

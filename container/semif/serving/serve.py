@@ -45,6 +45,7 @@ def build_app(settings: Settings):
         default_scoring=settings.scoring,
         model_sha256=digest,
         n_seq=settings.n_seq if settings.batching else 1,
+        content_free_entries=settings.content_free_entries,
     )
     engine.default_debias = settings.debias  # the server default; requests may override it (`debias`)
     if calibration is not None:

@@ -111,7 +111,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--policy", help="default abstention policy to store in the file (JSON)")
     parser.add_argument("--layout", default="state_first",
                         help="prompt layout(s) to fit, comma-separated: state_first, options_first (default: state_first)")
-    parser.add_argument("--debias", default="none", help="debiasing mode(s) to fit, comma-separated: none, reverse, content_free (default: none)")
+    parser.add_argument("--debias", default=None,
+                        help="debiasing mode(s) to fit, comma-separated: none, reverse, content_free (default: the "
+                             "server's, content_free for label scoring and none for sequence scoring)")
     args = parser.parse_args(argv)
     if args.no_contextual:
         args.contextual = "off"
@@ -129,9 +131,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             console.print(f"semif-calibrate: --policy: {exc}")
             return 2
     rows = load_rows(args.data, args.limit)
+    def debiasings(scoring: str) -> list[str]:
+        if args.debias is None:  # what the server answers a request that does not say (SEMIF_DEBIAS's default)
+            return ["content_free" if scoring == "label" else "none"]
+        return parse_choices(args.debias, DEBIAS_MODES, "--debias")
+
     kinds = [FitKind(scoring, layout, debias) for scoring in parse_scorings(args.scoring)
              for layout in parse_choices(args.layout, LAYOUTS, "--layout")
-             for debias in parse_choices(args.debias, DEBIAS_MODES, "--debias")]
+             for debias in debiasings(scoring)]
     # content_free reads label probabilities: it has no cloze (sequence) kind to fit.
     skipped = [kind for kind in kinds if kind.scoring == "sequence" and kind.debias == "content_free"]
     kinds = [kind for kind in kinds if kind not in skipped]

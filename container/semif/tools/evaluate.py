@@ -176,7 +176,10 @@ class InProcessTarget:
     def load(cls, model_path: str, *, n_threads: Optional[int] = None, n_ctx: int = 4096, calibration_path: Optional[str] = None):
         from ..serving.engine.context import Engine
 
+        from ..serving.config import Settings
+
         engine = Engine(model_path, n_ctx=n_ctx, n_threads=n_threads or os.cpu_count() or 1)
+        engine.default_debias = Settings.debias  # what `serve` answers a request that does not say
         calibration = Calibration.load(calibration_path, served=engine.info) if calibration_path else None
         return cls(engine, calibration)
 

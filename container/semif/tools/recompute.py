@@ -150,8 +150,10 @@ def recompute_logits(record: dict, model_path: str | Path, *, context: Optional[
         logits = _order_logits(context, record)
         prior = record.get("content_free_log_prior")
         if prior is not None:
-            # debias "content_free": the raw logits less the content-free log-prior the answer applied.
-            return (np.asarray(logits, dtype=np.float64) - np.asarray(prior, dtype=np.float64)).tolist()
+            # debias "content_free": the raw logits less the content-free log-prior the answer applied (a
+            # label the raw answer rules out stays ruled out).
+            shifted = np.asarray(logits, dtype=np.float64) - np.asarray(prior, dtype=np.float64)
+            return [RULED_OUT_LOGIT if raw <= RULED_OUT_LOGIT else float(v) for raw, v in zip(logits, shifted)]
         reversed_ = record.get("reversed")
         if reversed_ is None:
             return logits

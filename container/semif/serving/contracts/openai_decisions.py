@@ -245,13 +245,14 @@ def parse(body: Any, limits: Limits) -> Job:
     names = [excerpt(spec["name"]) if spec["name"] is not None else f"questions[{i}]" for i, (_, spec) in enumerate(parsed)]
     hashes = [options_sha256([(o.key, o.description) for o in q.outcomes]) for q in questions]
 
-    extended = layout is not None or injection_check is not None
+    extended = layout is not None or injection_check is not None or debias is not None
 
     def render(result: ScoreResult, run: RunContext) -> dict:
         cached = result.cached_tokens
         echoed = {"id": record_id} if record_id is not None else {}
         calibrations = ([getattr(d, "calibration", None) for d in result.distributions]
                         if any(getattr(d, "calibration", None) is not None for d in result.distributions) else None)
+        debiased = result.distributions[0].debias if result.distributions else "none"
         return {
             **echoed,
             "answers": [_answer(spec, dist) for (_, spec), dist in zip(parsed, result.distributions)],
@@ -266,13 +267,16 @@ def parse(body: Any, limits: Limits) -> Job:
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": result.input_tokens,
             },
-            # Our metadata, only when the request used an extension, the injection check ran or a
-            # calibration file is loaded (its probabilities are not the model's), so that a plain OpenAI
-            # request to a plain server gets exactly OpenAI's shape.
+            # Our metadata, only when the request used an extension, the injection check ran, a
+            # calibration file is loaded or a debiasing changed the probabilities (they are then not the
+            # model's raw ones: content_free, the default, or reverse), so that a plain OpenAI request
+            # to a server that reads raw probabilities gets exactly OpenAI's shape.
             **({"x_semif": {"template_version": result.template_version, "layout": result.layout,
-                            "injection_suspected": result.injection_suspected,
+                            "injection_suspected": result.injection_suspected, "debias": debiased,
+                            **({"content_free": [d.content_free for d in result.distributions]}
+                               if debiased == "content_free" else {}),
                             **({"calibration": calibrations} if calibrations else {})}}
-               if extended or result.injection_suspected is not None or calibrations else {}),
+               if extended or result.injection_suspected is not None or calibrations or debiased != "none" else {}),
         }
 
     # No decision_ids: a calibration keyed by question name would make answers depend on the names.

@@ -137,8 +137,8 @@ def execute_batch(engine, plans: Sequence[PromptPlan], cancels: Optional[Sequenc
                 if acc.plan.content_free is not None:
                     try:
                         acc.priors = engine.content_free_priors(acc.plan, acc.cancel)
-                    except Cancelled as stopped:
-                        acc.error = stopped
+                    except Exception as failed:  # this request's own failure (the context was emptied): the others go on
+                        acc.error = failed
             while queue:
                 wave = _take_wave(engine, queue, accounts, Cancelled)
                 if wave:

@@ -88,6 +88,9 @@ def combine_orders(given: Sequence[float], reversed_: Sequence[float]) -> list[f
     return ((first + second) / 2).tolist()
 
 
+CONTENT_FREE_FLOOR = math.log(1e-4)  # the smallest content-free probability divided out (_apply_prior)
+
+
 class _Priors(NamedTuple):
     """debias "content_free": per question, its prior and whether it was held; tokens evaluated for them."""
 
@@ -106,14 +109,18 @@ def _apply_prior(dist: Distribution, prior: Sequence[float], held: bool, evaluat
     """Contextual calibration: the raw logits less the content-free log-prior (each probability divided by
     the option's content-free probability, renormalised). The raw answer stays in ``content_free``."""
     raw = list(dist.option_logits)
-    dist.option_logits = (np.asarray(raw, dtype=np.float64) - np.asarray(prior, dtype=np.float64)).tolist()
+    # A prior below CONTENT_FREE_FLOOR counts as the floor: an option the model all but rules out when the
+    # state says nothing is not made a near-certainty by dividing by almost zero. An option the answer
+    # itself rules out stays ruled out (probability exactly 0), whatever its prior.
+    shifted = np.asarray(raw, dtype=np.float64) - np.maximum(np.asarray(prior, dtype=np.float64), CONTENT_FREE_FLOOR)
+    dist.option_logits = [RULED_OUT_LOGIT if r <= RULED_OUT_LOGIT else float(v) for r, v in zip(raw, shifted)]
     dist.content_free = {"state": CONTENT_FREE_STATE, "prior": softmax(prior), "held": held,
                          "evaluated_tokens": evaluated, "option_logits": raw, "probabilities": dist.probabilities}
     dist.probabilities = softmax(dist.option_logits)
     dist.debias = "content_free"
     if dist.recompute is not None:
         # The raw logits are recomputed from the segments; the prior, as applied, is subtracted from them.
-        dist.recompute = dict(dist.recompute, content_free_log_prior=list(prior))
+        dist.recompute = dict(dist.recompute, content_free_log_prior=np.maximum(prior, CONTENT_FREE_FLOOR).tolist())
     return dist
 
 
@@ -552,7 +559,8 @@ class Engine:
         scoring = scoring or self.default_scoring
         if scoring not in ("label", "sequence"):
             raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
-        if debias is None:
+        by_default = debias is None
+        if by_default:
             # The server's default (``default_debias``, else SEMIF_DEBIAS as serve set it) applies where it can:
             # content_free reads label probabilities, so cloze scoring and native decision models keep "none"
             # unless the request asks for it (then they are refused, naming the field).
@@ -595,14 +603,27 @@ class Engine:
         if scoring != "label":
             raise PlanError("debias 'content_free' reads each option's label probability: it needs label scoring",
                             field="debias")
-        planned = build_plan(**common, state_text=state_text, state_field=state_field, max_request_tokens=None,
+        planned = build_plan(**common, state_text=state_text, state_field=state_field, max_request_tokens=max_request_tokens,
                              return_prompt=return_prompt, injection_check=injection_check, debias=debias)
-        content_free = build_plan(**common, state_text=CONTENT_FREE_STATE, state_field=state_field,
-                                  max_request_tokens=None, return_prompt=False, injection_check=False, debias="none")
+        try:
+            content_free = build_plan(**common, state_text=CONTENT_FREE_STATE, state_field="debias",
+                                      max_request_tokens=None, return_prompt=False, injection_check=False, debias="none")
+        except PromptTooLong as too_long:
+            if by_default:  # the answer itself fits: served uncalibrated rather than refused
+                return replace(planned, debias="none")
+            raise PromptTooLong(too_long.tokens, too_long.n_ctx, field="debias",
+                                what="the content-free prompt (debias 'content_free')") from None
+        # The prior is read the way the answer is: one segment for state and question where the answer is.
+        content_free = replace(content_free, fuse_state_and_question=planned.fuse_state_and_question)
         planned = replace(planned, content_free=content_free)
         # Its worst case counts the content-free pass: a prior not held yet is evaluated in this request.
         if max_request_tokens is not None and planned.worst_case_tokens > max_request_tokens:
-            raise TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens, field=budget_field)
+            if by_default:
+                return replace(planned, debias="none", content_free=None)
+            over = TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens, field="debias")
+            over.args = (f"{over}; with debias 'content_free' that counts the content-free prompt of each question, "
+                         "evaluated when its prior is not held yet: send debias 'none' to leave it out",)
+            raise over
         return planned
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
@@ -1018,6 +1039,8 @@ class Engine:
 
     def _content_free_key(self, content_free: PromptPlan, qplan: QuestionPlan) -> bytes:
         variants = [t for variant in (qplan.label_variants or ()) for t in (*variant, -1)]
+        # Fused or not, the same tokens decode in other batch shapes (other kernels): part of the key.
+        variants.append(-2 if content_free.fuse_state_and_question else -3)
         return _tokens_key(content_free.prefix_segments, qplan.suffix_tokens, variants)
 
     def _content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]],
@@ -1027,21 +1050,28 @@ class Engine:
         kept. Stored only once the whole pass has succeeded: a pass cancelled or failed part-way keeps nothing."""
         content_free = plan.content_free
         keys = [self._content_free_key(content_free, q) for q in content_free.questions]
-        held = [self._content_free.get(key) for key in keys]
-        if all(prior is not None for prior in held):
-            for key in keys:
+        priors = [self._content_free.get(key) for key in keys]
+        for key, prior in zip(keys, priors):
+            if prior is not None:
                 self._content_free.move_to_end(key)
-            return _Priors(held, [True] * len(keys), 0, [0] * len(keys))
-        result = self._execute(content_free, cancel, started)
+        missing = [i for i, prior in enumerate(priors) if prior is None]
+        if not missing:
+            return _Priors(priors, [True] * len(keys), 0, [0] * len(keys))
+        # Only the questions whose prior is not held, from the content-free prefix (evaluated once for them).
+        subset = replace(content_free, questions=tuple(content_free.questions[i] for i in missing))
+        try:
+            result = self._execute(subset, cancel, started)
+        except Cancelled:
+            raise Cancelled(0, len(plan.questions)) from None  # none of the request's own questions was answered
         self.content_free_passes += 1
-        computed = [_log_softmax(d.option_logits) for d in result.distributions]
-        for key, prior in zip(keys, computed):
-            self._content_free[key] = prior
-            self._content_free.move_to_end(key)
+        evaluated = [0] * len(keys)
+        for i, dist in zip(missing, result.distributions):
+            priors[i], evaluated[i] = _log_softmax(dist.option_logits), dist.evaluated_tokens
+            self._content_free[keys[i]] = priors[i]
+            self._content_free.move_to_end(keys[i])
         while len(self._content_free) > self.content_free_entries:
             self._content_free.popitem(last=False)
-        return _Priors(computed, [False] * len(keys), result.evaluated_tokens,
-                       [d.evaluated_tokens for d in result.distributions])
+        return _Priors(priors, [i not in missing for i in range(len(keys))], result.evaluated_tokens, evaluated)
 
     def content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]] = None) -> "_Priors":
         """The plan's content-free priors (held, or evaluated now on the serial path) for a caller that holds

@@ -25,7 +25,7 @@ from ..config import Settings
 from ..contracts import semif as semif_contract
 from ..contracts import openai_decisions, systemone
 from ..contracts.base import Job, Limits, RequestError, RunContext, excerpt, resolve_layout
-from ..engine.context import Cancelled, EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
+from ..engine.context import Cancelled, EngineError, LabelError, PlanError, PromptTooLong, TokenBudgetExceeded
 from ..logs import state_digest_fields
 from ..postprocess.policy import log_fields as policy_log_fields, min_label_mass, needs_injection_check
 from ..postprocess.postprocessor import DecisionPostprocessor
@@ -210,6 +210,10 @@ class DecisionService:
             return JSONResponse(active.error_body(req_error), status_code=413, headers=headers)
         except LabelError as error:
             req_error = RequestError(422, error.code, str(error), error.field or "options")
+            fields.update(status=422, error_code=error.code, error_field=req_error.field)
+            return JSONResponse(active.error_body(req_error), status_code=_error_status(active, req_error), headers=headers)
+        except PlanError as error:  # a request the plan cannot serve as asked (debias, layout, …): the client's to change
+            req_error = RequestError(422, error.code, str(error), error.field)
             fields.update(status=422, error_code=error.code, error_field=req_error.field)
             return JSONResponse(active.error_body(req_error), status_code=_error_status(active, req_error), headers=headers)
         except Overloaded as error:

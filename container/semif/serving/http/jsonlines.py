@@ -32,7 +32,7 @@ from .admission import Cancellation, Overloaded
 from .body import DEFAULT_MAX_JSON_VALUES, parse_json, read_bytes
 from ..contracts import semif as semif_contract
 from ..contracts.base import RequestError
-from ..engine.context import EngineError, LabelError, PromptTooLong, TokenBudgetExceeded
+from ..engine.context import EngineError, LabelError, PlanError, PromptTooLong, TokenBudgetExceeded
 
 log = logging.getLogger("semif.http")
 
@@ -72,6 +72,8 @@ def as_request_error(error: Exception) -> RequestError:
         return RequestError(413, error.code, str(error), error.field or "state", {"tokens": error.tokens, "n_ctx": error.n_ctx})
     if isinstance(error, LabelError):
         return RequestError(422, error.code, str(error), error.field or "options")
+    if isinstance(error, PlanError):
+        return RequestError(422, error.code, str(error), error.field)
     if isinstance(error, EngineError):
         return RequestError(500, error.code, str(error), None)
     return RequestError(500, "internal_error", "internal error; see the server log", None)
