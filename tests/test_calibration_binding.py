@@ -16,8 +16,9 @@ from serving import SAMPLE_DECISIONS, make_settings
 DECISION = {"id": "route", "state": "My laptop screen cracked when it fell off the desk.", "question": "Which team?",
             "options": [{"id": "hardware"}, {"id": "network"}, {"id": "hr"}]}
 TEAMS = [{"value": "hardware"}, {"value": "network"}, {"value": "hr"}]
-STATE_FIRST = FitKind("label", "state_first", "none")
-OPTIONS_FIRST = FitKind("label", "options_first", "none")
+# The kinds the server answers at its defaults (content_free debiasing), in each layout.
+STATE_FIRST = FitKind("label", "state_first", "content_free")
+OPTIONS_FIRST = FitKind("label", "options_first", "content_free")
 
 
 def fitted_file(info: dict, fits: dict[FitKind, float], *, policy=None, **bound) -> dict:
@@ -87,7 +88,7 @@ def test_serve_refuses_a_file_fitted_with_another_prompt_template_at_startup(sta
 @pytest.mark.parametrize("mutate, message", [
     (lambda p: p["fits"][0].update(layout="sideways"), "fits[0].layout is 'sideways'"),
     (lambda p: p["fits"][0].pop("debias"), "fits[0].debias is None"),
-    (lambda p: p["fits"].append(dict(p["fits"][0])), "a second fit for label/state_first/none"),
+    (lambda p: p["fits"].append(dict(p["fits"][0])), "a second fit for label/state_first/content_free"),
     (lambda p: p.pop("template_sha256"), "template_sha256 is missing"),
     (lambda p: p["fits"][0].update(contextual={"route": {"options_sha256": "x", "log_prior": [float("nan")]}}),
      "finite log_prior"),
@@ -107,19 +108,19 @@ def test_a_fit_is_applied_only_to_the_layout_scoring_and_debiasing_it_was_measur
     with http:
         answers = {name: http.post("/invocations", json={"decision": DECISION, **extra}).json() for name, extra in {
             "state_first": {}, "options_first": {"layout": "options_first"}, "reverse": {"debias": "reverse"},
-            "sequence": {"scoring": "sequence"}}.items()}
+            "none": {"debias": "none"}, "sequence": {"scoring": "sequence"}}.items()}
     fitted = answers.pop("state_first")
     assert fitted["probabilities"] == pytest.approx(softmax(fitted["option_logits"], 3.0).tolist(), abs=1e-12)
-    assert fitted["calibration"]["fit"] == {"scoring": "label", "layout": "state_first", "debias": "none"}
+    assert fitted["calibration"]["fit"] == {"scoring": "label", "layout": "state_first", "debias": "content_free"}
     assert fitted["calibration"]["version"] == calibration.version and fitted["calibration"]["temperature"] == 3.0
-    for name, kind in {"options_first": "label/options_first/none", "reverse": "label/state_first/reverse",
-                       "sequence": "sequence/state_first/none"}.items():
+    for name, kind in {"options_first": "label/options_first/content_free", "reverse": "label/state_first/reverse",
+                       "none": "label/state_first/none", "sequence": "sequence/state_first/none"}.items():
         body = answers[name]
         assert body["probabilities"] == pytest.approx(softmax(body["option_logits"]).tolist(), abs=1e-12), name
         assert body["probabilities"] != pytest.approx(softmax(body["option_logits"], 3.0).tolist(), abs=1e-6), name
         record = body["calibration"]
         assert record["method"] == "none" and record["version"] == calibration.version and record["fit"] is None
-        assert f"no fit for {kind}" in record["reason"] and "label/state_first/none" in record["reason"], name
+        assert f"no fit for {kind}" in record["reason"] and "label/state_first/content_free" in record["reason"], name
 
 
 def test_each_layout_gets_the_temperature_fitted_on_it(shipped_engine, tmp_path):
@@ -142,7 +143,7 @@ def test_the_files_policy_never_accepts_an_answer_it_has_no_fit_for_and_a_reques
         own = http.post("/invocations", json={"decision": DECISION, "layout": "options_first", "policy": {"min_probability": 0.0}}).json()
     assert fitted["action"] == "accept"
     assert unfitted["action"] == "abstain" and unfitted["fallback"] == "escalate"
-    assert "uncalibrated" in unfitted["action_reason"] and "label/options_first/none" in unfitted["action_reason"]
+    assert "uncalibrated" in unfitted["action_reason"] and "label/options_first/content_free" in unfitted["action_reason"]
     assert own["action"] == "accept" and own["calibration"]["method"] == "none"
 
 
@@ -176,8 +177,8 @@ def test_semif_calibrate_fits_each_layout_against_a_server_and_that_server_accep
     assert calibrate_main([str(SAMPLE_DECISIONS), "--url", server.base_url, "--limit", "3", "--folds", "2", "--contextual", "off",
                            "--layout", "state_first,options_first", "--out", str(path)]) == 0
     calibration = Calibration.load(path, served=shipped_engine.info)  # the served template, without "+options-first"
-    assert [str(kind) for kind in calibration.fits] == ["label/state_first/none", "label/options_first/none"]
-    assert set(calibration.raw["fit"]["cross_validation"]) == {"label/state_first/none", "label/options_first/none"}
+    assert [str(kind) for kind in calibration.fits] == ["label/state_first/content_free", "label/options_first/content_free"]
+    assert set(calibration.raw["fit"]["cross_validation"]) == {"label/state_first/content_free", "label/options_first/content_free"}
     server.stop()
 
     calibrated = start_serve(SEMIF_CALIBRATION_PATH=str(path))
@@ -186,4 +187,4 @@ def test_semif_calibrate_fits_each_layout_against_a_server_and_that_server_accep
     assert body["calibration"]["fit"]["layout"] == "options_first" and body["calibration"]["temperature"] == temperature
     assert body["probabilities"] == pytest.approx(softmax(body["option_logits"], temperature).tolist(), abs=1e-12)
     loaded = next(line for line in calibrated.log_lines() if line.get("message") == "calibration loaded")
-    assert loaded["fits"] == ["label/state_first/none", "label/options_first/none"]
+    assert loaded["fits"] == ["label/state_first/content_free", "label/options_first/content_free"]

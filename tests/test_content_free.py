@@ -266,8 +266,12 @@ def test_openai_decisions_answers_say_they_were_debiased(client, fresh):
     body = {"model": "gpt-6-luna", "input": STATES[0], "questions": [
         {"type": "choice", "name": "route", "instructions": ROUTE.text,
          "choices": [{"value": o.key, "description": o.description} for o in ROUTE.outcomes]}]}
-    debiased = client.post("/v1/decisions", json=body)
+    plain = client.post("/v1/decisions", json=body)
+    assert plain.status_code == 200, plain.text
+    assert "x_semif" not in plain.json()  # a plain OpenAI request gets OpenAI's shape
+    debiased = client.post("/v1/decisions", json={**body, "debias": "content_free"})
     assert debiased.status_code == 200, debiased.text
+    assert debiased.json()["answers"] == plain.json()["answers"]  # the default it ran
     x = debiased.json()["x_semif"]
     assert x["debias"] == "content_free" and x["content_free"][0]["state"] == CONTENT_FREE_STATE
     raw = client.post("/v1/decisions", json={**body, "debias": "none"}).json()

@@ -172,8 +172,8 @@ def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_p
     assert calibrate_main([str(SAMPLE_DECISIONS), "--model", str(model_path), "--limit", "2", "--folds", "2",
                            "--min-per-decision", "2", "--contextual", "on", "--out", str(cal_path), "--n-threads", "2"]) == 0
     calibration = Calibration.load(cal_path, served=engine.info)
-    assert [str(kind) for kind in calibration.fits] == ["label/state_first/none"]
-    fitted = calibration.fits[FitKind("label", "state_first", "none")]
+    assert [str(kind) for kind in calibration.fits] == ["label/state_first/content_free"]  # the server's default
+    fitted = calibration.fits[FitKind("label", "state_first", "content_free")]
     assert fitted["global"]["n"] == 2 and set(fitted["per_decision"]) == {"route"}
     # contextual calibration measured on the real model's content-free answers, stored for its option set
     rows = load_sample_decisions()
@@ -183,4 +183,4 @@ def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_p
     prior = np.exp(fitted["contextual"]["route"]["log_prior"])
     assert len(prior) == 4 and prior.sum() == pytest.approx(1.0)
     assert set(fitted["contextual_temperatures"]) == {"global", "per_decision"}
-    assert calibration.raw["fit"]["cross_validation"]["label/state_first/none"]["k"] == 2
+    assert calibration.raw["fit"]["cross_validation"]["label/state_first/content_free"]["k"] == 2

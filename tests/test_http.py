@@ -97,7 +97,11 @@ def test_shared_state_batch_equals_separate_requests(client, engine, memo_off):
     suffixes = [r["prompt"]["tokens"] - usage["state_tokens"] for r in results]
     assert all(s > 0 for s in suffixes)
     assert usage["input_tokens"] == usage["state_tokens"] + sum(suffixes)
-    assert usage["cached_tokens"] == 0 and usage["evaluated_tokens"] == usage["input_tokens"]
+    # Evaluated: every input token, and each decision's content-free prompt (the server's default debiasing)
+    # beyond the template head the answer shares with it.
+    content_free = sum(r["prompt"]["content_free"]["evaluated_tokens"] for r in results)
+    assert all(r["prompt"]["debias"] == "content_free" for r in results) and content_free > 0
+    assert usage["cached_tokens"] == 0 and usage["evaluated_tokens"] == usage["input_tokens"] + content_free
 
 
 def test_repeat_request_reuses_the_cached_prefix(client, engine, memo_off):

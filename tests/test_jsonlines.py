@@ -114,6 +114,11 @@ def test_consecutive_lines_that_share_a_state_reuse_its_prefix(client, engine):
     other = f"A different customer asks about invoice {uuid.uuid4().hex}."
     lines = [semif_line(state, "queue"), semif_line(state, "urgent", "Is it urgent?", ("yes", "no")),
              semif_line(state, "tone", "Customer tone?", ("calm", "angry")), semif_line(other, "queue")]
+    # Recurring decisions: their content-free priors (the default debiasing) are held from an earlier batch,
+    # so no content-free pass runs between the lines (a new question's would, once: tests/test_content_free.py).
+    warm = f"An earlier customer, {uuid.uuid4().hex}."
+    answer_lines(post_lines(client, [semif_line(warm, "queue"), semif_line(warm, "urgent", "Is it urgent?", ("yes", "no")),
+                                     semif_line(warm, "tone", "Customer tone?", ("calm", "angry"))]))
     out = answer_lines(post_lines(client, lines))
     _, segments = engine.prefix_segments(state)
     state_prefix = sum(len(s) for s in segments)
@@ -166,7 +171,9 @@ def test_a_record_over_the_batch_token_budget_is_refused_and_the_others_answered
     from semif.serving.contracts.base import Limits
     short = semif_line("Short ticket.")
     job = semif_contract.parse(short, Limits(255, 400))
-    budget = engine.plan(job.state_text, job.questions).worst_case_tokens
+    # The record's own prompt: under the default debiasing a record within it but not with its content-free
+    # pass is answered without the prior (tests/test_content_free.py).
+    budget = engine.plan(job.state_text, job.questions, debias="none").worst_case_tokens
     client = app_with(batch_max_request_tokens=budget)
     long_state = "The parcel was damaged in transit and " * 20
     out = answer_lines(post_lines(client, [semif_line(long_state), short]))

@@ -416,8 +416,12 @@ def test_semif_debias_setting_is_validated():
     from semif.serving.config import Settings, SettingsError
 
     env = {"SEMIF_MODEL_PATH": str(embedded_model())}
-    assert Settings.from_env(env).debias == "none"
+    assert Settings.from_env(env).debias == "content_free"
     assert Settings.from_env({**env, "SEMIF_DEBIAS": "reverse"}).debias == "reverse"
+    assert Settings.from_env({**env, "SEMIF_DEBIAS": "none"}).debias == "none"
+    assert Settings.from_env({**env, "SEMIF_CONTENT_FREE_ENTRIES": "16"}).content_free_entries == 16
+    with pytest.raises(SettingsError, match="SEMIF_CONTENT_FREE_ENTRIES"):
+        Settings.from_env({**env, "SEMIF_CONTENT_FREE_ENTRIES": "0"})
     with pytest.raises(SettingsError, match="SEMIF_DEBIAS"):
         Settings.from_env({**env, "SEMIF_DEBIAS": "both"})
 

@@ -267,16 +267,16 @@ def parse(body: Any, limits: Limits) -> Job:
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": result.input_tokens,
             },
-            # Our metadata, only when the request used an extension, the injection check ran, a
-            # calibration file is loaded or a debiasing changed the probabilities (they are then not the
-            # model's raw ones: content_free, the default, or reverse), so that a plain OpenAI request
-            # to a server that reads raw probabilities gets exactly OpenAI's shape.
+            # Our metadata, only when the request used an extension (`debias` included: then it says which
+            # debiasing ran, and content_free's priors), the injection check ran or a calibration file is
+            # loaded (its probabilities are not the model's), so that a plain OpenAI request gets exactly
+            # OpenAI's shape. The server's default debiasing is in its configuration and every log line.
             **({"x_semif": {"template_version": result.template_version, "layout": result.layout,
                             "injection_suspected": result.injection_suspected, "debias": debiased,
                             **({"content_free": [d.content_free for d in result.distributions]}
                                if debiased == "content_free" else {}),
                             **({"calibration": calibrations} if calibrations else {})}}
-               if extended or result.injection_suspected is not None or calibrations or debiased != "none" else {}),
+               if extended or result.injection_suspected is not None or calibrations else {}),
         }
 
     # No decision_ids: a calibration keyed by question name would make answers depend on the names.

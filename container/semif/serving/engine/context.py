@@ -98,11 +98,25 @@ class _Priors(NamedTuple):
     held: list[bool]
     evaluated_tokens: int
     per_question: list[int]  # of those, each question's (its content-free suffix, the prefix with the first)
+    # Leading prefix tokens the answer shares with the content-free prompt (the template head) that this
+    # request's pass decoded, not an earlier request: the answer reused them, but they were not "cached".
+    fresh_shared: int = 0
 
 
 def _log_softmax(logits: Sequence[float]) -> list[float]:
     values = np.asarray(logits, dtype=np.float64)
     return (values - _logsumexp(values)).tolist()
+
+
+def _with_priors(distributions: list[Distribution], priors: _Priors) -> list[Distribution]:
+    """Each answer with its prior divided out. The first answer reused the template head that this request's
+    content-free pass decoded: its record counts those tokens as evaluated, as a cold answer's does."""
+    out = [_apply_prior(d, p, h, e) for d, p, h, e in zip(distributions, priors.priors, priors.held, priors.per_question)]
+    if out and priors.fresh_shared:
+        moved = min(priors.fresh_shared, out[0].cached_tokens)
+        out[0].cached_tokens -= moved
+        out[0].evaluated_tokens += moved
+    return out
 
 
 def _apply_prior(dist: Distribution, prior: Sequence[float], held: bool, evaluated: int = 0) -> Distribution:
@@ -1071,7 +1085,15 @@ class Engine:
             self._content_free.move_to_end(keys[i])
         while len(self._content_free) > self.content_free_entries:
             self._content_free.popitem(last=False)
-        return _Priors(priors, [i not in missing for i in range(len(keys))], result.evaluated_tokens, evaluated)
+        shared = 0
+        for mine, theirs in zip(plan.prefix_segments, content_free.prefix_segments):
+            if mine != theirs:
+                break
+            shared += len(mine)
+        fresh = max(0, shared - result.state_cached_tokens)
+        # The answer's own record counts them (it reads as a cold answer would); the pass's, the rest.
+        evaluated[missing[0]] = max(0, evaluated[missing[0]] - fresh)
+        return _Priors(priors, [i not in missing for i in range(len(keys))], result.evaluated_tokens, evaluated, fresh)
 
     def content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]] = None) -> "_Priors":
         """The plan's content-free priors (held, or evaluated now on the serial path) for a caller that holds
@@ -1091,9 +1113,11 @@ class Engine:
     @staticmethod
     def apply_content_free(result: ScoreResult, priors: "_Priors") -> ScoreResult:
         """A result scored without its priors (batching.py), with them divided out, as ``execute`` does."""
-        result.distributions = [_apply_prior(d, p, h, e) for d, p, h, e in
-                                zip(result.distributions, priors.priors, priors.held, priors.per_question)]
+        result.distributions = _with_priors(result.distributions, priors)
         result.evaluated_tokens += priors.evaluated_tokens
+        moved = min(priors.fresh_shared, result.state_cached_tokens)  # decoded by this request's own pass
+        result.state_cached_tokens -= moved
+        result.cached_tokens -= moved
         return result
 
     def clear_content_free(self) -> None:
@@ -1146,8 +1170,7 @@ class Engine:
                 memo_suffix_tokens += memo_tokens
                 distributions[index] = dist
         if priors is not None:
-            distributions = [_apply_prior(d, p, h, e) for d, p, h, e in
-                             zip(distributions, priors.priors, priors.held, priors.per_question)]
+            distributions = _with_priors(distributions, priors)
             evaluated += priors.evaluated_tokens
         if plan.second_look is not None:
             for index in range(len(plan.questions)):
