@@ -19,19 +19,28 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def engine(model_path):
     """The session's engine at the server's shipped defaults (semif/serving/config.py): flash attention on,
-    the label memo on, 256 MiB of prefix snapshots, n_batch 512, content_free debiasing. Only the context is smaller than the
+    the label memo on, 256 MiB of prefix snapshots, n_batch 512. Its own default debiasing is the engine's
+    ("none"); requests through `app`/`client` get the server's (SEMIF_DEBIAS, content_free), and a test that
+    compares the two passes `debias` to the engine. Only the context is smaller than the
     shipped default (the model's training context): 4096 tokens, which changes memory, not a logit.
     An exact comparison with an independent evaluation recomputes the answer's `prompt.recompute` record
     (semif.tools.recompute): decoded in the engine's own segments, flash attention reproduces to 1e-4.
     A test that compares two computations of one prompt asks for `memo_off` (a memo hit would compare an
     answer with itself); the memo and snapshot tests empty them first (`memo_on`, `snapshots_on`)."""
-    from semif.serving.config import Settings
     from semif.serving.engine.context import Engine
 
     eng = Engine(model_path, n_ctx=4096, n_batch=512, n_threads=os.cpu_count() or 2)
-    eng.default_debias = Settings.debias  # as `serve` sets it: content_free unless a request says otherwise
     yield eng
     eng.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_priors_from_other_tests(request):
+    """Content-free priors (the server's default debiasing) are kept on the session's engine: each test that
+    uses it starts without any, so what a request evaluates never depends on the order tests ran in."""
+    if {"engine", "app", "client"} & set(request.fixturenames):
+        request.getfixturevalue("engine").clear_content_free()
+    yield
 
 
 @pytest.fixture

@@ -163,6 +163,7 @@ def test_two_hot_states_alternating_with_room_for_one_snapshot_all_answer_200_eq
             responses.append(warm_client.post("/invocations", json=_body(state, i)))
             assert hot.prefix_snapshot_stats["bytes"] <= hot.prefix_cache_bytes
         assert [r.status_code for r in responses] == [200] * len(order), [r.text[:200] for r in responses]
+        assert all(r.json()["prompt"]["content_free"]["held"] for r in responses)  # the warm-up held every prior
         for i, (state, response) in enumerate(zip(order, responses)):
             want = cold_client.post("/invocations", json=_body(state, i))
             assert want.status_code == 200 and want.json()["prompt"]["cached_tokens"] == 0

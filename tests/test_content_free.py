@@ -94,16 +94,17 @@ def test_a_held_prior_costs_no_tokens_and_gives_the_cold_answer(fresh):
     assert again.distributions[0].content_free["held"] is True
     cold = _cold(engine, STATES[1], [ROUTE])
     _same(again, cold)
-    # The cold request paid for the content-free pass; the held one did not.
-    assert again.evaluated_tokens < cold.evaluated_tokens
-    assert first.distributions[0].content_free["held"] is False
-    # From a cold engine nothing was reused from an earlier request, though the content-free pass
-    # evaluated the template head before the question's own prompt reused it.
-    assert first.cached_tokens == 0 and first.state_cached_tokens == 0
-    assert first.distributions[0].content_free["evaluated_tokens"] > 0
+    # The held one evaluated its own prompt only (what the context did not hold); the cold one its prompt
+    # and the content-free one beyond the template head they share.
+    assert again.evaluated_tokens == again.input_tokens - again.cached_tokens
     assert again.distributions[0].content_free["evaluated_tokens"] == 0
-    assert first.evaluated_tokens == (first.distributions[0].evaluated_tokens
-                                      + first.distributions[0].content_free["evaluated_tokens"])
+    d0 = first.distributions[0]
+    assert d0.content_free["held"] is False and d0.content_free["evaluated_tokens"] > 0
+    # From a cold engine nothing was reused from an earlier request, though the content-free pass
+    # evaluated the template head before the question's own prompt reused it: counted as the answer's.
+    assert first.cached_tokens == 0 and first.state_cached_tokens == 0
+    assert d0.cached_tokens == 0 and d0.evaluated_tokens == d0.tokens
+    assert first.evaluated_tokens == first.input_tokens + d0.content_free["evaluated_tokens"]
 
 
 def test_alternating_questions_through_a_small_store_evict_least_recently_used_and_stay_exact(fresh):
@@ -310,6 +311,8 @@ def test_under_batching_the_prior_is_evaluated_serially_and_the_questions_share_
         np.testing.assert_allclose(np.subtract(got.content_free["option_logits"], got.option_logits),
                                    np.log(got.content_free["prior"]), rtol=0, atol=1e-9)
         assert plain.distributions[0].debias == "none" and plain.distributions[0].content_free is None
+        # A cold engine: nothing was reused from an earlier request (the head came from its own pass).
+        assert first.cached_tokens == 0 and first.state_cached_tokens == 0
         # The next batch finds the prior held and evaluates no content-free pass.
         passes = batched.content_free_passes
         [again] = execute_batch(batched, [batched.plan(STATES[2], [ROUTE], debias="content_free")])

@@ -120,6 +120,7 @@ def test_consecutive_lines_that_share_a_state_reuse_its_prefix(client, engine):
     answer_lines(post_lines(client, [semif_line(warm, "queue"), semif_line(warm, "urgent", "Is it urgent?", ("yes", "no")),
                                      semif_line(warm, "tone", "Customer tone?", ("calm", "angry"))]))
     out = answer_lines(post_lines(client, lines))
+    assert all(line["prompt"]["content_free"]["held"] for line in out)  # the warm-up held every prior
     _, segments = engine.prefix_segments(state)
     state_prefix = sum(len(s) for s in segments)
     head = engine.plan(state, []).shared_tokens

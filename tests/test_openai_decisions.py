@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from semif.serving.config import Settings
 from serving import content_free_tokens, start_cold
 
 # The label memo is off here: each answer is compared with the engine's cold evaluation, and usage counts real reuse
@@ -44,7 +45,8 @@ def test_predicate_is_the_engines_probability_of_yes(client, engine):
     assert body["usage"]["input_tokens_details"]["cached_tokens"] < body["usage"]["input_tokens"]
     job = openai_decisions.parse({"model": "m", "input": INPUT, "questions": [PREDICATE]}, Limits(255, 400))
     start_cold(engine)  # a cold run: the reference the cached runs must equal
-    cold = engine.score(job.state_text, job.questions)
+    cold = engine.score(job.state_text, job.questions, debias=Settings.debias)  # as the server answers it
+    assert cold.cached_tokens == 0 and content_free_tokens(cold) > 0
     assert cold.evaluated_tokens == cold.input_tokens + content_free_tokens(cold)
     expected = cold.distributions[0].probabilities[0]
     assert math.isclose(answer["probability"], expected, abs_tol=1e-4)

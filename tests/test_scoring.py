@@ -9,7 +9,7 @@ import pytest
 
 from semif.serving.engine.context import LabelError, PromptTooLong, softmax
 from semif.serving.engine.prompt import Outcome, Question, render_state_block
-from serving import content_free_tokens, start_cold
+from serving import start_cold
 
 ROUTE = Question(
     "Which queue should handle this request?",
@@ -137,7 +137,7 @@ def test_state_prefix_is_evaluated_once_for_several_questions(engine):
     # later questions restart from the state boundary (or later), never from scratch
     assert second.cached_tokens >= result.state_tokens
     assert third.cached_tokens >= result.state_tokens
-    assert result.evaluated_tokens == result.input_tokens + content_free_tokens(result)  # the prefix once, then each question's own tokens
+    assert result.evaluated_tokens == result.input_tokens  # the prefix once, then each question's own tokens
 
 
 def test_answers_do_not_depend_on_other_questions_or_their_order(engine, memo_off):
@@ -288,9 +288,6 @@ def test_cancel_stops_between_questions_and_leaves_the_context_consistent(engine
     from semif.serving.engine.context import Cancelled
 
     start_cold(engine)
-    engine.score("Another state.", [ROUTE, PRIORITY, IS_ACCOUNT])  # their content-free priors, held from here on
-    engine.invalidate()
-    engine.clear_prefix_snapshots()
     asked = []
 
     def cancel():

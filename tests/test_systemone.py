@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
+from semif.serving.config import Settings
 from serving import content_free_tokens, make_settings, start_cold
 
 # The label memo is off here: each answer is compared with the engine's cold evaluation of the same questions
@@ -42,8 +43,10 @@ def recompute(engine, questions, state=TICKET):
 
     job = systemone.parse({"state": state, "questions": questions}, Limits(255, 400))
     start_cold(engine)  # a cold run: the reference the cached runs must equal
-    result = engine.score(job.state_text, job.questions)
-    assert result.evaluated_tokens == result.input_tokens + content_free_tokens(result)  # no memo, no cache
+    result = engine.score(job.state_text, job.questions, debias=Settings.debias)  # as the server answers it
+    # no memo, no cache: every input token and the content-free passes' own
+    assert result.cached_tokens == 0 and content_free_tokens(result) > 0
+    assert result.evaluated_tokens == result.input_tokens + content_free_tokens(result)
     return job, result
 
 

@@ -112,10 +112,14 @@ def _with_priors(distributions: list[Distribution], priors: _Priors) -> list[Dis
     """Each answer with its prior divided out. The first answer reused the template head that this request's
     content-free pass decoded: its record counts those tokens as evaluated, as a cold answer's does."""
     out = [_apply_prior(d, p, h, e) for d, p, h, e in zip(distributions, priors.priors, priors.held, priors.per_question)]
-    if out and priors.fresh_shared:
-        moved = min(priors.fresh_shared, out[0].cached_tokens)
+    first_pass = next((i for i, held in enumerate(priors.held) if not held), None)
+    if out and priors.fresh_shared and first_pass is not None and out[0].evaluated_tokens > 0:  # not a memo answer
+        # Moved, not added: from the first answer's reused tokens to its evaluated ones, and out of the
+        # content-free record of the question whose pass decoded them, so the records still add up.
+        moved = min(priors.fresh_shared, out[0].cached_tokens, out[first_pass].content_free["evaluated_tokens"])
         out[0].cached_tokens -= moved
         out[0].evaluated_tokens += moved
+        out[first_pass].content_free["evaluated_tokens"] -= moved
     return out
 
 
@@ -1091,8 +1095,6 @@ class Engine:
                 break
             shared += len(mine)
         fresh = max(0, shared - result.state_cached_tokens)
-        # The answer's own record counts them (it reads as a cold answer would); the pass's, the rest.
-        evaluated[missing[0]] = max(0, evaluated[missing[0]] - fresh)
         return _Priors(priors, [i not in missing for i in range(len(keys))], result.evaluated_tokens, evaluated, fresh)
 
     def content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]] = None) -> "_Priors":
