@@ -28,6 +28,9 @@ CACHE_FIELDS = {"cached_tokens", "evaluated_tokens"}
 def comparable(answer: dict) -> dict:
     out = {k: v for k, v in answer.items() if k not in RUN_FIELDS}
     out["prompt"] = {k: v for k, v in answer["prompt"].items() if k not in CACHE_FIELDS}
+    if "content_free" in out["prompt"]:  # the prior and the raw answer compare; whether it was held does not
+        out["prompt"]["content_free"] = {k: v for k, v in out["prompt"]["content_free"].items()
+                                         if k not in ("held", "evaluated_tokens")}
     return out
 
 
