@@ -57,8 +57,8 @@ def test_second_look_reports_both_passes(client, engine):
     assert body["option_logits"] != pytest.approx(plain["option_logits"], abs=1e-3)
     assert 1 <= look["reasoning_tokens"] <= 24 and look["reasoning"].strip()
     assert look["stopped"] in ("budget", "answer", "end_of_turn")
-    assert body["prompt"]["evaluated_tokens"] >= plain["prompt"]["evaluated_tokens"] + look["reasoning_tokens"]
-    assert look["evaluated_tokens"] >= look["reasoning_tokens"]
+    # The answer counts the second look's tokens (its first pass may be the label memo's: the plain request's).
+    assert body["prompt"]["evaluated_tokens"] >= look["evaluated_tokens"] >= look["reasoning_tokens"]
     # Greedy and from the same prefix: the same request gives the same second look.
     again = semif(client, second_look={**ALWAYS, "max_tokens": 24})
     assert again["second_look"]["reasoning"] == look["reasoning"]
