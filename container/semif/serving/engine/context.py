@@ -6,6 +6,7 @@ computation at a time (the HTTP layer's admission control guarantees that).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -1042,18 +1043,24 @@ class Engine:
         Cancelled and the context stays consistent (a segment stopped part-way is dropped). Any other exception empties
         the context and its bookkeeping, so the next request starts from a known state."""
         started = time.perf_counter()
-        with self.lock:
-            self._cancel, self._cancel_progress, self._unchecked_tokens = cancel, (0, len(plan.questions)), 0
-            try:
-                priors = self._content_free_priors(plan, cancel, started) if plan.content_free is not None else None
-                return self._execute(plan, cancel, started, priors)
-            except Cancelled:
-                raise
-            except BaseException:
-                self.invalidate()
-                raise
-            finally:
-                self._cancel = None
+        with self.lock, self._running(plan, cancel):
+            priors = self._content_free_priors(plan, cancel, started) if plan.content_free is not None else None
+            return self._execute(plan, cancel, started, priors)
+
+    @contextlib.contextmanager
+    def _running(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]]):
+        """The cancel hook installed for one plan's work; Cancelled passes through, any other failure
+        empties the context and its bookkeeping."""
+        self._cancel, self._cancel_progress, self._unchecked_tokens = cancel, (0, len(plan.questions)), 0
+        try:
+            yield
+        except Cancelled:
+            raise
+        except BaseException:
+            self.invalidate()
+            raise
+        finally:
+            self._cancel = None
 
     def _content_free_key(self, content_free: PromptPlan, qplan: QuestionPlan) -> bytes:
         variants = [t for variant in (qplan.label_variants or ()) for t in (*variant, -1)]
@@ -1101,16 +1108,8 @@ class Engine:
         """The plan's content-free priors (held, or evaluated now on the serial path) for a caller that holds
         ``lock`` and scores the plan itself (batching.py). Cancelled passes through; any other failure
         empties the context, as ``execute`` does."""
-        self._cancel, self._cancel_progress, self._unchecked_tokens = cancel, (0, len(plan.questions)), 0
-        try:
+        with self._running(plan, cancel):
             return self._content_free_priors(plan, cancel, time.perf_counter())
-        except Cancelled:
-            raise
-        except BaseException:
-            self.invalidate()
-            raise
-        finally:
-            self._cancel = None
 
     @staticmethod
     def apply_content_free(result: ScoreResult, priors: "_Priors") -> ScoreResult:
