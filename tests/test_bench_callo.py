@@ -117,3 +117,46 @@ def test_both_orders_averages_the_two_requests_probabilities_per_option(tool):
     assert tool.both_orders_choice(replies) == "network"  # 0.625 against 0.375, although forward chose hardware
     replies["reversed"]["error"] = "HTTP 500"
     assert tool.both_orders_choice(replies) is None
+
+
+def test_thinking_gives_callo_a_budget_on_every_request_and_the_adapter_a_second_look_below_the_margin(tool):
+    thinking = tool.Thinking(64, below_margin=0.25, deadline_ms=5000)
+    body = tool.systemone_body(ROW, False)
+    callo, adapter = thinking.body("callo", body), thinking.body("adapter", body)
+    assert callo["think_budget"] == 64 and "second_look" not in callo
+    assert adapter["second_look"] == {"below_margin": 0.25, "max_tokens": 64, "deadline_ms": 5000}
+    assert "think_budget" not in adapter
+    assert callo["questions"] == adapter["questions"] == body["questions"]
+    assert "think_budget" not in body and "second_look" not in body  # the shared body is not changed
+
+
+def test_forward_only_leaves_the_figures_that_need_both_orders_empty(tool):
+    cases = [case("network", None, "hr", None), case("hr", None, "network", None)]
+    for c in cases:
+        for side in ("adapter", "callo"):
+            del c[side]["reversed"]
+    cases[0]["adapter"]["forward"]["looked_again"] = True
+    cases[1]["adapter"]["forward"]["looked_again"] = False
+    adapter, callo = tool.side_summary(cases, "adapter"), tool.side_summary(cases, "callo")
+    assert (adapter["correct"], adapter["accuracy"]) == (1, 0.5)
+    assert adapter["order_stable"] is None and adapter["correct_both_orders"] is None
+    assert adapter["looked_again"] == 1 and callo["looked_again"] is None
+    assert list(adapter["tokens"]) == ["forward"]
+    assert tool.group_summary(cases, "category")["routing"]["adapter"]["order_stable"] is None
+    assert tool.paired_ratio(cases) == pytest.approx(1.0)
+
+
+FITS = Path(__file__).resolve().parents[1] / "tools" / "callo_fits.py"
+
+
+def test_callo_fits_write_the_same_request_with_the_answer_as_its_label(tool):
+    spec = importlib.util.spec_from_file_location("callo_fits_tool", FITS)
+    fits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fits)
+    row = {**ROW, "category": "routing", "decision_id": "team"}
+    record = fits.callo_record(row)
+    question = record["questions"]["decision"]
+    assert question.pop("label") == "network"
+    assert {k: v for k, v in record.items() if k != "_meta"} == tool.systemone_body(row, False)
+    assert record["_meta"] == {"id": "r1", "group_id": "team", "source": "routing"}
+    assert fits.callo_record(ROW)["_meta"] == {"id": "r1", "group_id": "r1", "source": "all"}

@@ -15,8 +15,13 @@ from a cache, and those generated (the adapter's `x_semif`; for callo, llama-ser
 read before and after each request). Per category and per decision it shows where each side wins.
 Timings are noisy on a shared machine: compare the ratios measured within one run, not runs with each other.
 
+With --think-budget N both sides reason before the label: callo on every request (its `think_budget`), the
+adapter only where its first pass is ambiguous (its `second_look`, below --below-margin), which is how each is
+meant to be used; the report then counts the adapter's second looks and both sides' generated tokens.
+
 usage: python tools/bench_callo.py --model GGUF [--data FILE] [--limit N] [--threads N] [--out JSON]
                                   [--llama-server BIN] [--callo-arg ARG]... [--adapter-env NAME=VALUE]...
+                                  [--think-budget N [--below-margin M] [--think-deadline-ms MS]] [--forward-only]
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class Reply:
     evaluated_tokens: Optional[int] = None  # those run through the model for it
     cached_tokens: Optional[int] = None  # those reused from what the context already held
     generated_tokens: Optional[int] = None  # tokens decoded after the prompt (callo's readout may sample some)
+    looked_again: Optional[bool] = None  # the adapter's second look ran (with --think-budget)
     error: Optional[str] = None
 
 
@@ -82,6 +88,23 @@ def systemone_body(row: dict, reverse: bool) -> dict:
     criteria = {o["id"]: o.get("description") for o in options}
     return {"state": row["state"], "questions": {QUESTION_ID: {"type": "choice", "instructions": row["question"],
                                                                "criteria": criteria}}}
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """Reasoning before the label on both sides, at one token budget (--think-budget): callo thinks on every
+    request (its `think_budget`); the adapter looks again only where the first pass is ambiguous (its
+    `second_look`, below `below_margin`), within the same budget and `deadline_ms`."""
+
+    budget: int
+    below_margin: float = 0.2
+    deadline_ms: int = 20_000
+
+    def body(self, side: str, body: dict) -> dict:
+        if side == "callo":
+            return {**body, "think_budget": self.budget}
+        return {**body, "second_look": {"below_margin": self.below_margin, "max_tokens": self.budget,
+                                        "deadline_ms": self.deadline_ms}}
 
 
 def post(http: httpx.Client, body: dict) -> tuple[float, Optional[httpx.Response], Optional[str]]:
@@ -118,9 +141,11 @@ class AdapterSide:
         record = payload.get("x_semif") or {}
         self.first_record = self.first_record or record
         usage = payload.get("usage") or {}
+        second_look = payload["answers"][QUESTION_ID].get("x_second_look")
         return Reply(ms, choice, probabilities, prompt_tokens=usage.get("input_tokens"),
                      evaluated_tokens=record.get("evaluated_tokens"), cached_tokens=record.get("cached_tokens"),
-                     generated_tokens=usage.get("output_tokens"))
+                     generated_tokens=usage.get("output_tokens"),
+                     looked_again=None if second_look is None else bool(second_look.get("ran")))
 
     def close(self) -> None:
         self.server.close()
@@ -298,7 +323,9 @@ def answer_nll(reply: Reply, answer: str) -> Optional[float]:
 
 def both_orders_choice(replies: dict) -> Optional[str]:
     """The option with the highest mean probability over the two orders (what order debiasing would answer from
-    these two requests), or None when either request failed."""
+    these two requests), or None when either request failed or was not sent (--forward-only)."""
+    if "reversed" not in replies:
+        return None
     forward, backward = replies["forward"]["probabilities"], replies["reversed"]["probabilities"]
     if replies["forward"]["error"] or replies["reversed"]["error"] or set(forward) != set(backward) or not forward:
         return None
@@ -306,15 +333,22 @@ def both_orders_choice(replies: dict) -> Optional[str]:
 
 
 def side_summary(cases: list[dict], side: str) -> dict:
+    """One side's figures. Without the reversed requests (--forward-only) the figures that need them are None."""
     forward = [c[side]["forward"] for c in cases]
-    backward = [c[side]["reversed"] for c in cases]
+    both = all("reversed" in c[side] for c in cases)
+    backward = [c[side]["reversed"] for c in cases] if both else []
+    directions = DIRECTIONS if both else DIRECTIONS[:1]
     n = len(cases)
     correct = sum(r["choice"] == c["answer"] for c, r in zip(cases, forward))
-    correct_reversed = sum(r["choice"] == c["answer"] for c, r in zip(cases, backward))
-    stable = sum(f["choice"] is not None and f["choice"] == b["choice"] for f, b in zip(forward, backward))
-    averaged = sum(both_orders_choice(c[side]) == c["answer"] for c in cases)
+    correct_reversed = sum(r["choice"] == c["answer"] for c, r in zip(cases, backward)) if both else None
+    stable = sum(f["choice"] is not None and f["choice"] == b["choice"] for f, b in zip(forward, backward)) if both else None
+    averaged = sum(both_orders_choice(c[side]) == c["answer"] for c in cases) if both else None
     ms_forward = [r["ms"] for r in forward if not r["error"]]
     ms_all = ms_forward + [r["ms"] for r in backward if not r["error"]]
+    looked = [r.get("looked_again") for r in forward]
+
+    def ratio(count: Optional[int]) -> Optional[float]:
+        return count / n if n and count is not None else None
 
     def tokens(replies: list[dict], key: str) -> dict:
         values = [r[key] for r in replies if r[key] is not None]
@@ -323,17 +357,18 @@ def side_summary(cases: list[dict], side: str) -> dict:
 
     return {
         "n": n,
-        "accuracy": correct / n if n else None, "correct": correct,
-        "accuracy_reversed": correct_reversed / n if n else None, "correct_reversed": correct_reversed,
-        "order_stable": stable, "order_stability": stable / n if n else None,
-        "correct_both_orders": averaged, "accuracy_both_orders": averaged / n if n else None,
+        "accuracy": ratio(correct), "correct": correct,
+        "accuracy_reversed": ratio(correct_reversed), "correct_reversed": correct_reversed,
+        "order_stable": stable, "order_stability": ratio(stable),
+        "correct_both_orders": averaged, "accuracy_both_orders": ratio(averaged),
         "errors": sum(1 for r in forward + backward if r["error"]),
         "nll": mean([c[side]["forward"]["nll"] for c in cases]),
+        "looked_again": sum(1 for v in looked if v) if any(v is not None for v in looked) else None,
         "latency_ms": {"forward": {"p50": pct(ms_forward, 50), "p95": pct(ms_forward, 95)},
                        "all": {"p50": pct(ms_all, 50), "p95": pct(ms_all, 95)}},
         "tokens": {direction: {key: tokens([c[side][direction] for c in cases], key)
                                for key in ("prompt_tokens", "evaluated_tokens", "cached_tokens", "generated_tokens")}
-                   for direction in DIRECTIONS},
+                   for direction in directions},
     }
 
 
@@ -348,7 +383,8 @@ def group_summary(cases: list[dict], key: str) -> dict:
             right = [c[side]["forward"]["choice"] == c["answer"] for c in members]
             entry[side] = {
                 "correct": sum(right),
-                "order_stable": sum(c[side]["forward"]["choice"] == c[side]["reversed"]["choice"] for c in members),
+                "order_stable": sum(c[side]["forward"]["choice"] == c[side]["reversed"]["choice"] for c in members)
+                if all("reversed" in c[side] for c in members) else None,
                 "evaluated_tokens": mean([c[side]["forward"]["evaluated_tokens"] for c in members]),
                 "p50_ms": pct([c[side]["forward"]["ms"] for c in members], 50),
             }
@@ -364,7 +400,7 @@ def paired_ratio(cases: list[dict]) -> Optional[float]:
     """Median over requests of adapter ms / callo ms: the two run back to back on the same request, so a drift in
     the machine's speed over the run (other work on a shared host) cancels out of each ratio."""
     ratios = [c["adapter"][d]["ms"] / c["callo"][d]["ms"] for c in cases for d in DIRECTIONS
-              if not c["adapter"][d]["error"] and not c["callo"][d]["error"]]
+              if d in c["adapter"] and d in c["callo"] and not c["adapter"][d]["error"] and not c["callo"][d]["error"]]
     return float(np.median(ratios)) if ratios else None
 
 
@@ -384,8 +420,11 @@ def print_report(report: dict) -> None:
         def fmt(value, spec=".0f"):
             return "-" if value is None else format(value, spec)
 
-        table.add_row(side, f"{s['correct']}/{s['n']} = {s['accuracy']:.3f}", f"{s['correct_reversed']}/{s['n']}",
-                      f"{s['order_stable']}/{s['n']}", f"{s['correct_both_orders']}/{s['n']}",
+        def of_n(count):
+            return "-" if count is None else f"{count}/{s['n']}"
+
+        table.add_row(side, f"{s['correct']}/{s['n']} = {s['accuracy']:.3f}", of_n(s["correct_reversed"]),
+                      of_n(s["order_stable"]), of_n(s["correct_both_orders"]),
                       fmt(s["latency_ms"]["forward"]["p50"]),
                       fmt(s["latency_ms"]["forward"]["p95"]), fmt(s["latency_ms"]["all"]["p50"]),
                       fmt(t["prompt_tokens"]["mean"], ".1f"), fmt(t["evaluated_tokens"]["mean"], ".1f"),
@@ -395,6 +434,10 @@ def print_report(report: dict) -> None:
     r = report["ratios"]
     out.print(f"adapter / callo: p50 (first sight of each state) {r['p50_forward']:.3f}, p50 (all requests) "
               f"{r['p50_all']:.3f}, median per-request ratio {r['median_per_request']:.3f}")
+    if meta.get("thinking"):
+        t = meta["thinking"]
+        out.print(f"thinking: budget {t['budget']} tokens; callo thinks on every request, the adapter looked again on "
+                  f"{sides['adapter']['looked_again']}/{sides['adapter']['n']} (margin below {t['below_margin']})")
     for key, title in (("per_category", "per category"), ("per_decision", "per decision")):
         table = Table(title=f"{title}: correct (options as written), order-stable, evaluated tokens")
         for column in ("", "n", "adapter", "callo", "adapter only", "callo only", "stable A", "stable C", "eval tok A",
@@ -403,7 +446,8 @@ def print_report(report: dict) -> None:
         for name, g in report[key].items():
             a, c = g["adapter"], g["callo"]
             table.add_row(name, str(g["n"]), str(a["correct"]), str(c["correct"]), str(g["adapter_only_right"]),
-                          str(g["callo_only_right"]), str(a["order_stable"]), str(c["order_stable"]),
+                          str(g["callo_only_right"]), str(a["order_stable"]) if a["order_stable"] is not None else "-",
+                          str(c["order_stable"]) if c["order_stable"] is not None else "-",
                           f"{a['evaluated_tokens'] or 0:.0f}", f"{c['evaluated_tokens'] or 0:.0f}")
         out.print(table)
 
@@ -425,6 +469,15 @@ def main() -> int:
                              f"{' '.join(CALLO_DEFAULT_ARGS)}, so it wins), e.g. --callo-arg=--temperature --callo-arg=1.9")
     parser.add_argument("--adapter-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an extra SEMIF_* setting for the adapter (repeatable), e.g. SEMIF_DEBIAS=reverse")
+    parser.add_argument("--think-budget", type=int, metavar="TOKENS",
+                        help="reason before the label, within this many tokens: callo's think_budget on every "
+                             "request, the adapter's second look on answers below --below-margin")
+    parser.add_argument("--below-margin", type=float, default=0.2,
+                        help="with --think-budget: the adapter looks again below this margin (default 0.2)")
+    parser.add_argument("--think-deadline-ms", type=int, default=20_000,
+                        help="with --think-budget: the adapter's second-look deadline_ms (default 20000)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="send each decision once, options as written (no order stability)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO / "container"))
@@ -446,6 +499,14 @@ def main() -> int:
         if not sep or not name.startswith("SEMIF_"):
             raise SystemExit(f"--adapter-env {item!r}: expected SEMIF_NAME=VALUE")
         adapter_env[name] = value
+    thinking = None
+    if args.think_budget is not None:
+        if not 1 <= args.think_budget <= 1024:
+            raise SystemExit("--think-budget must be 1 to 1024 tokens (the adapter's second-look limit)")
+        if not 0 < args.below_margin <= 1 or not 1 <= args.think_deadline_ms <= 120_000:
+            raise SystemExit("--below-margin must be in (0, 1] and --think-deadline-ms 1 to 120000")
+        thinking = Thinking(args.think_budget, args.below_margin, args.think_deadline_ms)
+    directions = DIRECTIONS[:1] if args.forward_only else DIRECTIONS
     callo_bin, callo_version = ensure_callo(CALLO_VENV)
     started = dt.datetime.now(dt.timezone.utc)
     out_path = args.out or REPO / "reports" / f"bench-callo-{started:%Y%m%dT%H%M%SZ}.json"
@@ -479,11 +540,11 @@ def main() -> int:
                 case = {"id": row["id"], "category": row.get("category", "all"),
                         "decision_id": row.get("decision_id") or row.get("category", "all"), "answer": row["answer"],
                         "adapter": {}, "callo": {}}
-                for turn, direction in enumerate(DIRECTIONS):
+                for turn, direction in enumerate(directions):
                     body = systemone_body(row, reverse=direction == "reversed")
                     order = side_order(index, turn)
                     for name in order:
-                        reply = sides[name].decide(body)
+                        reply = sides[name].decide(thinking.body(name, body) if thinking else body)
                         case[name][direction] = {**asdict(reply), "nll": answer_nll(reply, row["answer"]),
                                                  "first": name == order[0]}
                 cases.append(case)
@@ -507,6 +568,7 @@ def main() -> int:
             "callo_version": callo_version, "callo_argv": sides["callo"].argv[1:],
             "adapter_env": adapter_env, "adapter_template_version": adapter_record.get("template_version"),
             "adapter_llama_cpp_build": adapter_record.get("llama_cpp_build"),
+            "directions": list(directions), "thinking": asdict(thinking) if thinking else None,
             "host": {**host, "loadavg_end": list(os.getloadavg())},
             "note": "client-side wall time per request, both servers on one shared machine, never at the same time",
         },
