@@ -126,6 +126,11 @@ def test_thinking_gives_callo_a_budget_on_every_request_and_the_adapter_a_second
     assert callo["think_budget"] == 64 and "second_look" not in callo
     assert adapter["second_look"] == {"below_margin": 0.25, "max_tokens": 64, "deadline_ms": 5000}
     assert "think_budget" not in adapter
+    # What the adapter's own System One contract reads from it (its second_look fields are strict).
+    from semif.serving.contracts.systemone import SystemOneRequest
+    look = SystemOneRequest.model_validate(adapter).second_look.config()
+    assert (look.max_tokens, look.deadline_s) == (64, 5.0)
+    assert look.below_margin == 0.25
     assert callo["questions"] == adapter["questions"] == body["questions"]
     assert "think_budget" not in body and "second_look" not in body  # the shared body is not changed
 
@@ -141,6 +146,7 @@ def test_forward_only_leaves_the_figures_that_need_both_orders_empty(tool):
     assert (adapter["correct"], adapter["accuracy"]) == (1, 0.5)
     assert adapter["order_stable"] is None and adapter["correct_both_orders"] is None
     assert adapter["looked_again"] == 1 and callo["looked_again"] is None
+    assert adapter["requests"] == 2
     assert list(adapter["tokens"]) == ["forward"]
     assert tool.group_summary(cases, "category")["routing"]["adapter"]["order_stable"] is None
     assert tool.paired_ratio(cases) == pytest.approx(1.0)
@@ -160,3 +166,40 @@ def test_callo_fits_write_the_same_request_with_the_answer_as_its_label(tool):
     assert {k: v for k, v in record.items() if k != "_meta"} == tool.systemone_body(row, False)
     assert record["_meta"] == {"id": "r1", "group_id": "team", "source": "routing"}
     assert fits.callo_record(ROW)["_meta"] == {"id": "r1", "group_id": "r1", "source": "all"}
+
+
+def test_the_report_prints_without_the_reversed_requests_and_with_a_side_that_always_failed(tool, capsys):
+    cases = [case("network", None, None, None), case("hr", None, None, None)]
+    for c in cases:
+        for side in ("adapter", "callo"):
+            del c[side]["reversed"]
+        c["callo"]["forward"]["error"] = "HTTP 422: no thinking mode"
+        c["adapter"]["forward"]["looked_again"] = True
+    summary = {side: tool.side_summary(cases, side) for side in ("adapter", "callo")}
+    assert summary["callo"]["latency_ms"]["forward"]["p50"] is None and summary["callo"]["errors"] == 2
+    a, c = summary["adapter"]["latency_ms"], summary["callo"]["latency_ms"]
+    ratios = {"p50_forward": tool.ratio_of(a["forward"]["p50"], c["forward"]["p50"]),
+              "p50_all": tool.ratio_of(a["all"]["p50"], c["all"]["p50"]), "median_per_request": tool.paired_ratio(cases)}
+    assert ratios == {"p50_forward": None, "p50_all": None, "median_per_request": None}
+    report = {"meta": {"model_file": "m.gguf", "threads": 2, "cases": 2, "data": "d.jsonl", "host": {"commit": "abc"},
+                       "date": "2026-12-03", "thinking": {"budget": 64, "below_margin": 0.2, "deadline_ms": 20000}},
+              "summary": summary, "ratios": ratios, "per_category": tool.group_summary(cases, "category"),
+              "per_decision": tool.group_summary(cases, "decision_id")}
+    tool.print_report(report)
+    out = capsys.readouterr().out
+    assert "p50 (first sight of each state) -" in out
+    assert "looked again on 2/2 requests" in out
+
+
+def test_a_profile_that_kept_no_option_count_is_not_passed_on(tmp_path):
+    spec = importlib.util.spec_from_file_location("callo_fits_tool", FITS)
+    fits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fits)
+    profile = tmp_path / "bias.json"
+    assert fits.profile_entries(profile) == 0  # not written
+    profile.write_text(json.dumps({"format": 1, "entries": {}}))
+    assert fits.profile_entries(profile) == 0  # written, nothing kept
+    profile.write_text(json.dumps({"format": 1, "entries": {"4": {"offsets": [0.1, 0, 0, -0.1]}, "2": {}}}))
+    assert fits.profile_entries(profile) == 2
+    profile.write_text("{not json")
+    assert fits.profile_entries(profile) == 0

@@ -15,9 +15,10 @@ from a cache, and those generated (the adapter's `x_semif`; for callo, llama-ser
 read before and after each request). Per category and per decision it shows where each side wins.
 Timings are noisy on a shared machine: compare the ratios measured within one run, not runs with each other.
 
-With --think-budget N both sides reason before the label: callo on every request (its `think_budget`), the
-adapter only where its first pass is ambiguous (its `second_look`, below --below-margin), which is how each is
-meant to be used; the report then counts the adapter's second looks and both sides' generated tokens.
+With --think-budget N both sides reason before the label: callo on every request (its `think_budget`, only on
+a model whose chat template has a thinking mode), the adapter only where its first pass is ambiguous (its
+`second_look`, below --below-margin, on any chat model), which is how each is meant to be used; the report then
+counts the adapter's second looks and both sides' generated tokens.
 
 usage: python tools/bench_callo.py --model GGUF [--data FILE] [--limit N] [--threads N] [--out JSON]
                                   [--llama-server BIN] [--callo-arg ARG]... [--adapter-env NAME=VALUE]...
@@ -93,8 +94,9 @@ def systemone_body(row: dict, reverse: bool) -> dict:
 @dataclass(frozen=True)
 class Thinking:
     """Reasoning before the label on both sides, at one token budget (--think-budget): callo thinks on every
-    request (its `think_budget`); the adapter looks again only where the first pass is ambiguous (its
-    `second_look`, below `below_margin`), within the same budget and `deadline_ms`."""
+    request (its `think_budget`, which needs a chat template with a thinking mode: callo answers 422 on
+    others); the adapter looks again only where the first pass is ambiguous (its `second_look`, below
+    `below_margin`, within `deadline_ms`; callo's thinking gets no deadline)."""
 
     budget: int
     below_margin: float = 0.2
@@ -345,7 +347,7 @@ def side_summary(cases: list[dict], side: str) -> dict:
     averaged = sum(both_orders_choice(c[side]) == c["answer"] for c in cases) if both else None
     ms_forward = [r["ms"] for r in forward if not r["error"]]
     ms_all = ms_forward + [r["ms"] for r in backward if not r["error"]]
-    looked = [r.get("looked_again") for r in forward]
+    looked = [r.get("looked_again") for r in forward + backward]
 
     def ratio(count: Optional[int]) -> Optional[float]:
         return count / n if n and count is not None else None
@@ -363,6 +365,7 @@ def side_summary(cases: list[dict], side: str) -> dict:
         "correct_both_orders": averaged, "accuracy_both_orders": ratio(averaged),
         "errors": sum(1 for r in forward + backward if r["error"]),
         "nll": mean([c[side]["forward"]["nll"] for c in cases]),
+        "requests": len(forward) + len(backward),
         "looked_again": sum(1 for v in looked if v) if any(v is not None for v in looked) else None,
         "latency_ms": {"forward": {"p50": pct(ms_forward, 50), "p95": pct(ms_forward, 95)},
                        "all": {"p50": pct(ms_all, 50), "p95": pct(ms_all, 95)}},
@@ -404,6 +407,11 @@ def paired_ratio(cases: list[dict]) -> Optional[float]:
     return float(np.median(ratios)) if ratios else None
 
 
+def ratio_of(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """a / b, or None when either side has no figure (every request of one side failed)."""
+    return a / b if a is not None and b else None
+
+
 def print_report(report: dict) -> None:
     out = Console(width=None if sys.stdout.isatty() else 160)
     meta, sides = report["meta"], report["summary"]
@@ -431,13 +439,14 @@ def print_report(report: dict) -> None:
                       fmt(t["cached_tokens"]["mean"], ".1f"), fmt(t["generated_tokens"]["mean"], ".1f"),
                       fmt(s["nll"], ".3f"), str(s["errors"]))
     out.print(table)
-    r = report["ratios"]
-    out.print(f"adapter / callo: p50 (first sight of each state) {r['p50_forward']:.3f}, p50 (all requests) "
-              f"{r['p50_all']:.3f}, median per-request ratio {r['median_per_request']:.3f}")
+    r = {key: "-" if value is None else f"{value:.3f}" for key, value in report["ratios"].items()}
+    out.print(f"adapter / callo: p50 (first sight of each state) {r['p50_forward']}, p50 (all requests) "
+              f"{r['p50_all']}, median per-request ratio {r['median_per_request']}")
     if meta.get("thinking"):
-        t = meta["thinking"]
+        t, looked = meta["thinking"], sides["adapter"]["looked_again"]
         out.print(f"thinking: budget {t['budget']} tokens; callo thinks on every request, the adapter looked again on "
-                  f"{sides['adapter']['looked_again']}/{sides['adapter']['n']} (margin below {t['below_margin']})")
+                  f"{'-' if looked is None else looked}/{sides['adapter']['requests']} requests "
+                  f"(margin below {t['below_margin']})")
     for key, title in (("per_category", "per category"), ("per_decision", "per decision")):
         table = Table(title=f"{title}: correct (options as written), order-stable, evaluated tokens")
         for column in ("", "n", "adapter", "callo", "adapter only", "callo only", "stable A", "stable C", "eval tok A",
@@ -475,7 +484,8 @@ def main() -> int:
     parser.add_argument("--below-margin", type=float, default=0.2,
                         help="with --think-budget: the adapter looks again below this margin (default 0.2)")
     parser.add_argument("--think-deadline-ms", type=int, default=20_000,
-                        help="with --think-budget: the adapter's second-look deadline_ms (default 20000)")
+                        help="with --think-budget: the adapter's second-look deadline_ms (default 20000, at most "
+                             "40000, inside the adapter's 50 s request deadline; callo's thinking has none)")
     parser.add_argument("--forward-only", action="store_true",
                         help="send each decision once, options as written (no order stability)")
     args = parser.parse_args()
@@ -503,8 +513,9 @@ def main() -> int:
     if args.think_budget is not None:
         if not 1 <= args.think_budget <= 1024:
             raise SystemExit("--think-budget must be 1 to 1024 tokens (the adapter's second-look limit)")
-        if not 0 < args.below_margin <= 1 or not 1 <= args.think_deadline_ms <= 120_000:
-            raise SystemExit("--below-margin must be in (0, 1] and --think-deadline-ms 1 to 120000")
+        if not 0 < args.below_margin <= 1 or not 1 <= args.think_deadline_ms <= 40_000:
+            # 40 s leaves the first pass room inside the adapter's request deadline (SEMIF_REQUEST_DEADLINE_S, 50 s)
+            raise SystemExit("--below-margin must be in (0, 1] and --think-deadline-ms 1 to 40000")
         thinking = Thinking(args.think_budget, args.below_margin, args.think_deadline_ms)
     directions = DIRECTIONS[:1] if args.forward_only else DIRECTIONS
     callo_bin, callo_version = ensure_callo(CALLO_VENV)
@@ -527,8 +538,11 @@ def main() -> int:
                   "options": [{"id": "print", "description": "Printers"}, {"id": "network", "description": "Network"}]}
         for side in sides.values():
             for reverse in (False, True):
-                reply = side.decide(systemone_body(warmup, reverse))
+                body = systemone_body(warmup, reverse)
+                reply = side.decide(thinking.body(side.name, body) if thinking else body)
                 if reply.error:
+                    # e.g. callo answers a think_budget with 422 on a model whose chat template has no
+                    # thinking mode: better said now than after the whole run.
                     raise SystemExit(f"{side.name} failed its warm-up request: {reply.error}")
 
         cases = []
@@ -578,8 +592,8 @@ def main() -> int:
         "cases": cases,
     }
     a, c = report["summary"]["adapter"]["latency_ms"], report["summary"]["callo"]["latency_ms"]
-    report["ratios"] = {"p50_forward": a["forward"]["p50"] / c["forward"]["p50"],
-                        "p50_all": a["all"]["p50"] / c["all"]["p50"], "median_per_request": paired_ratio(cases)}
+    report["ratios"] = {"p50_forward": ratio_of(a["forward"]["p50"], c["forward"]["p50"]),
+                        "p50_all": ratio_of(a["all"]["p50"], c["all"]["p50"]), "median_per_request": paired_ratio(cases)}
     out_path.write_text(json.dumps(report, indent=1))
     print_report(report)
     console.print(f">> report: {out_path}")

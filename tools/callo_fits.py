@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Best settings for the side by side: each side's own fits on the same labeled decisions.
 
-callo's: `callo calibrate` (one temperature by NLL) and `callo calibrate --bias` (its position-bias profile, label
-free: the mean probability per position over every rotation of each question), both against a `callo serve` at
-temperature 1.0 that this script launches on `make llama-server`'s binary, as tools/bench_callo.py does.
+callo's: `callo calibrate --bias` (its position-bias profile, label free: the mean probability per position over
+every rotation of each question), then `callo calibrate` (one temperature by NLL) with that profile loaded, as
+callo asks, each against a `callo serve` at temperature 1.0 that this script launches on `make llama-server`'s
+binary, as tools/bench_callo.py does.
 The adapter's: `semif-calibrate --model` in-process on the same GGUF, at the server's default debiasing.
 
 The decisions are converted to callo's labelled format (`state`, `questions{decision: {type, instructions,
@@ -11,8 +12,8 @@ criteria, label}}`, `_meta{id, group_id, source}`), written next to the fits. At
 `make bench-callo` flags that run both sides with them; fit on the tuning file, then run those flags on the file
 kept aside.
 
-usage: python tools/callo_fits.py --model GGUF [--data FILE] [--limit N] [--threads N] [--out-dir DIR]
-                                 [--max-per-n N] [--llama-server BIN] [--skip-adapter]
+usage: python tools/callo_fits.py --model GGUF [--data FILE] [--limit N] [--threads N] [--out-dir NEW_DIR]
+                                 [--max-per-n N] [--llama-server BIN] [--skip-adapter] [--holdout FILE]
 """
 
 from __future__ import annotations
@@ -43,11 +44,19 @@ def callo_record(row: dict) -> dict:
     return body
 
 
-def run(argv: list, what: str) -> None:
+def run(argv: list, what: str) -> int:
+    """Run one fitting command in the foreground (its own progress on the terminal); its exit status."""
     console.print(f">> {what}: {shlex.join(str(a) for a in argv)}")
-    result = subprocess.run([str(a) for a in argv])
-    if result.returncode != 0:
-        raise SystemExit(f"{what} failed with exit status {result.returncode}")
+    return subprocess.run([str(a) for a in argv]).returncode
+
+
+def profile_entries(path: Path) -> int:
+    """How many option counts a `callo calibrate --bias` profile corrects (it writes the file even when its
+    significance test kept none); 0 for a missing or unreadable file."""
+    try:
+        return len(json.loads(path.read_text()).get("entries") or {})
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def main() -> int:
@@ -63,6 +72,9 @@ def main() -> int:
                         help="callo --bias: questions per option count, stratified by category (default 48; each is "
                              "read under every rotation, so the run costs about N x options readouts per count)")
     parser.add_argument("--skip-adapter", action="store_true", help="fit callo only")
+    parser.add_argument("--holdout", type=Path, default=REPO / "data" / "decisions-holdout.jsonl",
+                        help="the decisions kept aside, named in the printed make bench-callo line "
+                             "(default data/decisions-holdout.jsonl; never the --data file)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO / "container"))
@@ -80,8 +92,14 @@ def main() -> int:
         raise SystemExit(f"cannot read {args.data}: {exc}")
     if args.max_per_n < 1:
         raise SystemExit("--max-per-n must be at least 1")
+    if args.holdout.exists() and args.data.resolve() == args.holdout.resolve():
+        raise SystemExit(f"--data and --holdout are the same file ({args.data}): fit on the tuning file, "
+                         "and keep the holdout for the final run")
     started = dt.datetime.now(dt.timezone.utc)
     out_dir = (args.out_dir or REPO / "reports" / f"fits-{started:%Y%m%dT%H%M%SZ}").resolve()
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        # callo's bias fit refuses to overwrite its raw readouts, and old fits must not pass for new ones.
+        raise SystemExit(f"{out_dir} is not empty: give --out-dir a new folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     callo_bin, callo_version = ensure_callo(CALLO_VENV)
 
@@ -90,21 +108,36 @@ def main() -> int:
     temperature_path, bias_path = out_dir / "callo-temperature.json", out_dir / "callo-position-bias.json"
     console.print(f">> {len(rows)} decisions from {args.data}; fits go to {out_dir}")
 
-    console.print(">> starting callo at temperature 1.0 (it launches llama-server)")
-    callo = CalloSide(callo_bin, model, args.llama_server, args.threads, [], out_dir / "callo.log")
+    # The profile first, on a server at temperature 1.0 with no profile; then the temperature, on a server that
+    # loads the profile, as callo asks ("refit any --temperature afterwards"): the two are served together.
+    console.print(">> starting callo at temperature 1.0, no position bias (it launches llama-server)")
+    callo = CalloSide(callo_bin, model, args.llama_server, args.threads, [], out_dir / "callo-bias.log")
     try:
-        url = f"http://127.0.0.1:{callo.port}"
-        run([callo_bin, "calibrate", "--url", url, "--data", labelled, "--out", temperature_path], "callo temperature fit")
-        run([callo_bin, "calibrate", "--bias", "--url", url, "--data", labelled, "--out", bias_path,
-             "--max-per-n", args.max_per_n], "callo position-bias fit")
+        status = run([callo_bin, "calibrate", "--bias", "--url", f"http://127.0.0.1:{callo.port}", "--data", labelled,
+                      "--out", bias_path, "--max-per-n", args.max_per_n], "callo position-bias fit")
     finally:
         callo.close()
+    kept = profile_entries(bias_path) if status == 0 else 0
+    if status != 0:
+        console.print(f">> the position-bias fit failed (exit {status}); callo runs without a profile")
+    elif not kept:
+        console.print(">> callo's position-bias fit kept no option count (none both had enough questions and a "
+                      "significant bias); callo runs without a profile")
+    profile_args = ["--position-bias", str(bias_path)] if kept else []
+
+    console.print(">> starting callo at temperature 1.0" + (" with the profile" if kept else ""))
+    callo = CalloSide(callo_bin, model, args.llama_server, args.threads, profile_args, out_dir / "callo-temperature.log")
+    try:
+        status = run([callo_bin, "calibrate", "--url", f"http://127.0.0.1:{callo.port}", "--data", labelled,
+                      "--out", temperature_path], "callo temperature fit")
+    finally:
+        callo.close()
+    if status != 0:
+        raise SystemExit(f"callo's temperature fit failed (exit {status}); see its output above")
     temperature = json.loads(temperature_path.read_text())["temperature"]
     flags = [f"--callo-arg=--temperature --callo-arg={temperature}"]
-    if bias_path.is_file():
+    if kept:
         flags.append(f"--callo-arg=--position-bias --callo-arg={bias_path}")
-    else:
-        console.print(f">> callo wrote no position-bias profile (no option count had enough questions)")
 
     if not args.skip_adapter:
         calibration_path = out_dir / "adapter-calibration.json"
@@ -112,15 +145,17 @@ def main() -> int:
                      "--n-threads", args.threads, "--out", calibration_path]
         if args.limit:
             calibrate += ["--limit", args.limit]
-        run(calibrate, "adapter calibration fit")
+        if run(calibrate, "adapter calibration fit") != 0:
+            raise SystemExit("the adapter's calibration fit failed; see its output above")
         flags.append(f"--adapter-env SEMIF_CALIBRATION_PATH={calibration_path}")
 
     summary = {"date": started.strftime("%Y-%m-%d"), "data": str(args.data), "cases": len(rows),
                "model_file": model.name, "callo_version": callo_version, "temperature": temperature,
-               "position_bias": str(bias_path) if bias_path.is_file() else None, "bench_callo_flags": flags}
+               "position_bias": str(bias_path) if kept else None, "position_bias_entries": kept,
+               "bench_callo_flags": flags}
     (out_dir / "fits.json").write_text(json.dumps(summary, indent=1))
     console.print(">> run both sides with these fits on the decisions kept aside:")
-    print(f'make bench-callo BENCH_CALLO_ARGS="--model {model} --data data/decisions-holdout.jsonl {" ".join(flags)}"')
+    print(f'make bench-callo BENCH_CALLO_ARGS="--model {model} --data {args.holdout} {" ".join(flags)}"')
     return 0
 
 
