@@ -464,6 +464,24 @@ def print_report(report: dict) -> None:
 # ---- the run ----------------------------------------------------------------------------------------
 
 
+def model_and_rows(args: argparse.Namespace) -> tuple[Path, list[dict]]:
+    """The GGUF (--model, else the embedded one) and the labeled decisions (--data, --limit) both tools run on,
+    after checking that llama-server (--llama-server) is built; a clear exit otherwise."""
+    sys.path.insert(0, str(REPO / "container"))
+    from semif.serving.config import embedded_model_path
+    from semif.tools.evaluate import load_rows
+
+    if not args.llama_server.is_file():
+        raise SystemExit(f"no llama-server at {args.llama_server}: run `make llama-server` first")
+    model = (args.model or embedded_model_path()).resolve()
+    if not model.is_file():
+        raise SystemExit(f"no model at {model}")
+    try:
+        return model, load_rows(args.data, args.limit)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"cannot read {args.data}: {exc}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="GGUF both sides serve (default: the embedded SmolLM2-135M)")
@@ -490,19 +508,7 @@ def main() -> int:
                         help="send each decision once, options as written (no order stability)")
     args = parser.parse_args()
 
-    sys.path.insert(0, str(REPO / "container"))
-    from semif.serving.config import embedded_model_path
-    from semif.tools.evaluate import load_rows
-
-    if not args.llama_server.is_file():
-        raise SystemExit(f"no llama-server at {args.llama_server}: run `make llama-server` first")
-    model = (args.model or embedded_model_path()).resolve()
-    if not model.is_file():
-        raise SystemExit(f"no model at {model}")
-    try:
-        rows = load_rows(args.data, args.limit)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"cannot read {args.data}: {exc}")
+    model, rows = model_and_rows(args)
     adapter_env = {}
     for item in args.adapter_env:
         name, sep, value = item.partition("=")

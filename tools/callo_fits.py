@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_callo import (  # noqa: E402
-    CALLO_VENV, DEFAULT_DATA, DEFAULT_SERVER, QUESTION_ID, REPO, CalloSide, console, ensure_callo, systemone_body,
+    CALLO_VENV, DEFAULT_DATA, DEFAULT_SERVER, QUESTION_ID, REPO, CalloSide, console, ensure_callo, model_and_rows,
+    systemone_body,
 )
 
 
@@ -77,19 +78,7 @@ def main() -> int:
                              "(default data/decisions-holdout.jsonl; never the --data file)")
     args = parser.parse_args()
 
-    sys.path.insert(0, str(REPO / "container"))
-    from semif.serving.config import embedded_model_path
-    from semif.tools.evaluate import load_rows
-
-    if not args.llama_server.is_file():
-        raise SystemExit(f"no llama-server at {args.llama_server}: run `make llama-server` first")
-    model = (args.model or embedded_model_path()).resolve()
-    if not model.is_file():
-        raise SystemExit(f"no model at {model}")
-    try:
-        rows = load_rows(args.data, args.limit)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"cannot read {args.data}: {exc}")
+    model, rows = model_and_rows(args)
     if args.max_per_n < 1:
         raise SystemExit("--max-per-n must be at least 1")
     if args.holdout.exists() and args.data.resolve() == args.holdout.resolve():
