@@ -203,3 +203,11 @@ def test_a_profile_that_kept_no_option_count_is_not_passed_on(tmp_path):
     assert fits.profile_entries(profile) == 2
     profile.write_text("{not json")
     assert fits.profile_entries(profile) == 0
+
+
+def test_second_looks_are_counted_in_both_directions(tool):
+    cases = [case("network", "network", "network", "network")]
+    cases[0]["adapter"]["forward"]["looked_again"] = False
+    cases[0]["adapter"]["reversed"]["looked_again"] = True
+    summary = tool.side_summary(cases, "adapter")
+    assert (summary["looked_again"], summary["requests"]) == (1, 2)
