@@ -321,6 +321,25 @@ def test_the_reversed_binary_and_scale_questions_say_what_order_they_are_in(engi
     assert "Levels, from lowest to highest:" in plan.questions[1].text
 
 
+def test_an_options_first_recap_names_each_label_with_its_key_in_the_order_shown():
+    """The evaluation tools' recap styles (template_eval.py): the question again after the state, and with
+    ``question_keys`` each label with the key of the option it stands for, reversed orders included. A
+    style that does not set it hashes as before (the shipped calibration file stays bound: its own test)."""
+    from dataclasses import replace
+
+    from semif.serving.engine.prompt import STYLES
+
+    question = Question("Which queue?", (Outcome("billing", "Charges"), Outcome("access", "Sign in"), Outcome("other")))
+    keys = PromptTemplate(None, variant=replace(STYLES["v3"], recap="question_keys"))
+    block, _ = keys.options_first_suffix_parts(question, ["A", "B", "C"], [2, 1, 0])
+    assert block.endswith("Question: Which queue?\nReply with one letter: A (other), B (access), C (billing).")
+    only = PromptTemplate(None, variant=replace(STYLES["v3"], recap="question"))
+    assert only.options_first_suffix_parts(question, ["A", "B", "C"])[0].endswith("Question: Which queue?\nReply with one letter: A, B, C.")
+    plain = PromptTemplate(None, variant="v3")
+    assert "Question:" not in plain.options_first_suffix_parts(question, ["A", "B", "C"])[0]
+    assert len({plain.sha256, keys.sha256, only.sha256}) == 3
+
+
 def test_debiasing_evaluates_the_state_once_and_one_more_question_segment(engine, memo_off):
     start_cold(engine)
     plain = engine.plan(STATE, [ROUTE])

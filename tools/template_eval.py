@@ -46,6 +46,8 @@ STYLES = {
     "v3-v2system": (replace(V3, system=P.SYSTEM_TEXT), "state_first"),
     "v3-restate": (replace(V3, restate=True), "state_first"),
     "v3-options-first": (V3, "options_first"),
+    "v3-of-question": (replace(V3, recap="question"), "options_first"),
+    "v3-of-keys": (replace(V3, recap="question_keys"), "options_first"),
 }
 CONTENT_FREE_STATE = "N/A"
 console = Console(stderr=True)

@@ -538,7 +538,7 @@ def build_plan(
         if layout == "state_first":
             block, tail = template.question_suffix_parts(question, label_texts, order)
         else:
-            block, tail = template.options_first_suffix_parts(question, label_texts)
+            block, tail = template.options_first_suffix_parts(question, label_texts, order)
         block = after_state(block, moved)
         block_tokens, tail_tokens = _question_tokens(tokenize, before, block, tail)
         pieces = (

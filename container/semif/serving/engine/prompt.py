@@ -102,6 +102,8 @@ class Style:
     description alone where there is one (the key otherwise), as a person reading the list would.
     ``reply``: the line that closes the question block: ``range`` ("Reply with the label (A to D) of the
     best option."), ``labels`` ("Reply with one letter: A, B, C, D."), or ``none`` (the system text says it).
+    ``recap``: what options-first writes after the state besides the reply line: ``none``, ``question``
+    (the question again), or ``question_keys`` (the question, and each label with its option's key).
     """
 
     version: str
@@ -110,6 +112,14 @@ class Style:
     option_text: Literal["key_description", "description"] = "key_description"
     reply: Literal["range", "labels", "none"] = "range"
     datamark: bool = False
+    recap: Literal["none", "question", "question_keys"] = "none"
+
+
+def _style_repr(style: Style) -> str:
+    """The style as the template hash reads it: a field added later appears only when it is set, so a
+    template that does not use it keeps its hash (and the calibration files fitted on it)."""
+    text = repr(style)
+    return text.replace(", recap='none'", "") if style.recap == "none" else text
 
 
 STYLES: dict[str, Style] = {
@@ -307,18 +317,27 @@ def render_question_block(question: Question, labels: Optional[Sequence[str]],
     return "\n".join(lines)
 
 
-def render_after_state(question: Question, labels: Optional[Sequence[str]], style: Style) -> str:
+def render_after_state(question: Question, labels: Optional[Sequence[str]], style: Style,
+                       order: Optional[Sequence[int]] = None) -> str:
     """Options-first: what follows the state. v1/v2 restate the task with the data rule; v3 only says how
-    to reply (the question is just above the state, and the system text holds the data rule)."""
+    to reply (the question is just above the state, and the system text holds the data rule); a style
+    with a ``recap`` writes the question again before the reply line, and with ``question_keys`` each
+    label's option key in it (``A (billing), B (refund)``), the shown order."""
     if style.restate or style.version == TEMPLATE_VERSION_V1:
         return render_restatement(question, labels)
+    recap = f"Question: {question.text}\n" if style.recap != "none" else ""
     if question.kind == "binary":
         if labels is None or list(labels[:2]) == list(BINARY_LABELS):
-            return "Reply Yes or No."
-        return f"Reply {labels[0]} for yes or {labels[1]} for no."
+            return recap + "Reply Yes or No."
+        return recap + f"Reply {labels[0]} for yes or {labels[1]} for no."
     if labels is None:
-        return "Reply with the best option listed before the state."
-    return _reply_line(list(labels[: len(question.outcomes)]), replace(style, reply="labels"))
+        return recap + "Reply with the best option listed before the state."
+    shown = list(range(len(question.outcomes))) if order is None else list(order)
+    if style.recap == "question_keys":
+        listed = ", ".join(f"{label} ({question.outcomes[i].key})" for label, i in zip(labels, shown))
+        word = "letter" if all(len(t) == 1 and t.isalpha() for t in labels[: len(shown)]) else "label"
+        return recap + f"Reply with one {word}: {listed}."
+    return recap + _reply_line(list(labels[: len(question.outcomes)]), replace(style, reply="labels"))
 
 
 def render_restatement(question: Question, labels: Optional[Sequence[str]]) -> str:
@@ -422,7 +441,7 @@ class PromptTemplate:
                  EMPTY_THINK, self._tail]
         if not legacy:  # later versions also hash how they write long option lists and each style field
             parts += [render_question_block(Question("q", tuple(Outcome(str(i), "d") for i in range(10))),
-                                            LETTER_CANDIDATES[:10], style=style), repr(style)]
+                                            LETTER_CANDIDATES[:10], style=style), _style_repr(style)]
         self.sha256 = hashlib.sha256("\n\u0000".join(parts).encode()).hexdigest()
 
     def variant_of(self, variant: "str | Style") -> "PromptTemplate":
@@ -569,9 +588,10 @@ class PromptTemplate:
         """Blank line + fenced state: evaluated after the cached question, once per request."""
         return self._between + self.state_block(state_text)
 
-    def options_first_suffix_parts(self, question: Question, labels: Optional[Sequence[str]]) -> tuple[str, str]:
-        """(blank line + restated task and data rule, template tail ending at the answer cue)."""
-        return self._between + render_after_state(question, labels, self.style), self._tail
+    def options_first_suffix_parts(self, question: Question, labels: Optional[Sequence[str]],
+                                   order: Optional[Sequence[int]] = None) -> tuple[str, str]:
+        """(blank line + what the style writes after the state, template tail ending at the answer cue)."""
+        return self._between + render_after_state(question, labels, self.style, order), self._tail
 
     def select_labels(self, tokenize: Callable[[str], list[int]]) -> Labels:
         """Pick, once per model, the labels that are one distinct token right after the answer cue.
