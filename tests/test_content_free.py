@@ -184,6 +184,73 @@ def test_a_new_question_beside_held_ones_evaluates_only_its_own_prior(fresh):
     _same(got, _cold(engine, STATES[1], [ROUTE, TONE]))
 
 
+# States long enough for a prefix snapshot (it must spare PREFIX_SNAPSHOT_MIN_TOKENS of evaluation).
+LONG_STATES = [
+    "Hello, I have been trying to sign in to my account since yesterday evening. The password reset email "
+    "never arrives, I checked the spam folder twice, and after three attempts the app now says my account is "
+    "locked for security reasons. I need to get in today to download my invoices for the accountant.",
+    "Good morning. My card was charged twice for the same order last Tuesday, once at 10:02 and again at "
+    "10:04, each time for the full amount of 84.90. I only placed one order and only received one parcel. "
+    "Please refund the duplicate charge and confirm by email when it has been done.",
+]
+
+
+def _reversed(question: Question) -> Question:
+    return Question(question.text, tuple(reversed(question.outcomes)), question.kind)
+
+
+@pytest.mark.parametrize("second", [TONE, _reversed(ROUTE)], ids=["a new question", "the options reversed"])
+def test_a_held_state_outlives_the_content_free_pass_of_a_new_option_set_and_the_answer_is_cold(fresh, second):
+    """The next request on the same state with an option set whose prior is not held: its content-free pass
+    rewinds past the state, which is snapshotted first and restored for the request's own pass, so the
+    state is not evaluated again; the answer equals a cold one."""
+    engine = fresh
+    engine.score(LONG_STATES[0], [ROUTE], debias="content_free")
+    restores, passes = engine.prefix_restores, engine.content_free_passes
+    got = engine.score(LONG_STATES[0], [second], debias="content_free")
+    d = got.distributions[0]
+    assert engine.content_free_passes == passes + 1 and d.content_free["held"] is False
+    assert engine.prefix_restores == restores + 1
+    assert got.state_cached_tokens == got.state_tokens, "the state was evaluated again after the content-free pass"
+    assert got.evaluated_tokens == got.input_tokens - got.state_tokens + d.content_free["evaluated_tokens"]
+    _same(got, _cold(engine, LONG_STATES[0], [second]))
+
+
+def test_without_room_for_a_snapshot_the_state_is_evaluated_again_and_the_answer_is_the_same(fresh):
+    engine = fresh
+    limit = engine.prefix_cache_bytes
+    want = _cold(engine, LONG_STATES[0], [TONE])
+    start_cold(engine)
+    engine.prefix_cache_bytes = 1  # no state fits: the pass rewinds past it and nothing can bring it back
+    try:
+        engine.score(LONG_STATES[0], [ROUTE], debias="content_free")
+        restores = engine.prefix_restores
+        got = engine.score(LONG_STATES[0], [TONE], debias="content_free")
+    finally:
+        engine.prefix_cache_bytes = limit
+    assert engine.prefix_restores == restores
+    assert got.state_cached_tokens < got.state_tokens
+    assert got.evaluated_tokens == got.input_tokens - got.cached_tokens + got.distributions[0].content_free["evaluated_tokens"]
+    _same(got, want)
+
+
+def test_states_and_option_sets_alternating_through_the_snapshots_stay_exact(fresh):
+    """Two states and three option sets interleaved, new priors arriving on held and on evicted states, with
+    the snapshots as shipped: every answer is the cold one and the reuse it reports adds up."""
+    engine = fresh
+    sequence = [(0, ROUTE), (0, TONE), (1, ROUTE), (0, _reversed(ROUTE)), (1, TONE), (1, URGENT), (0, URGENT),
+                (1, _reversed(ROUTE))]
+    cold = [_cold(engine, LONG_STATES[i], [q]) for i, q in sequence]
+    start_cold(engine)
+    restores = engine.prefix_restores
+    for (i, question), want in zip(sequence, cold):
+        got = engine.score(LONG_STATES[i], [question], debias="content_free")
+        d = got.distributions[0]
+        assert got.evaluated_tokens == got.input_tokens - got.cached_tokens + d.content_free["evaluated_tokens"]
+        _same(got, want)
+    assert engine.prefix_restores > restores
+
+
 def test_under_the_default_a_request_over_budget_with_its_prior_is_answered_without_it(fresh):
     engine = fresh
     plain = engine.plan(STATES[0], [ROUTE], debias="none")

@@ -1044,8 +1044,15 @@ class Engine:
         the context and its bookkeeping, so the next request starts from a known state."""
         started = time.perf_counter()
         with self.lock, self._running(plan, cancel):
-            priors = self._content_free_priors(plan, cancel, started) if plan.content_free is not None else None
-            return self._execute(plan, cancel, started, priors)
+            priors = None
+            if plan.content_free is not None:
+                # The request's prefix is counted before its content-free pass: a state the context holds
+                # from an earlier request is then a prefix seen twice, which the pass snapshots before it
+                # rewinds past it (_use_prefix_snapshots) and the request's own pass restores, instead of
+                # evaluating the state again (a new question, or the other option order, on a held state).
+                self._note_prefix([list(s) for s in plan.prefix_segments])
+                priors = self._content_free_priors(plan, cancel, started)
+            return self._execute(plan, cancel, started, priors, noted=plan.content_free is not None)
 
     @contextlib.contextmanager
     def _running(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]]):
@@ -1126,14 +1133,15 @@ class Engine:
         self._content_free.clear()
 
     def _execute(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]], started: float,
-                 priors: Optional["_Priors"] = None) -> ScoreResult:
+                 priors: Optional["_Priors"] = None, noted: bool = False) -> ScoreResult:
         if not self.prefix_cache:
             self.invalidate()
-        if priors is None or all(priors.held):
-            # A content-free pass run for this request counts too: what it decoded was not reused.
-            self._decoded_from = None
+        # Where this request's own pass starts decoding; what its content-free pass decoded of the prefix
+        # they share (the template head) is taken off the reuse below (priors.fresh_shared).
+        self._decoded_from = None
         prefix = [list(s) for s in plan.prefix_segments]
-        self._note_prefix(prefix)
+        if not noted:
+            self._note_prefix(prefix)
         prefix_len = plan.state_tokens
         distributions = []
         evaluated = memo_suffix_tokens = 0
@@ -1183,6 +1191,8 @@ class Engine:
         # had to evaluate (a later question may re-evaluate what an earlier memo hit skipped).
         decoded_from = self._decoded_from
         state_cached = prefix_len if decoded_from is None else min(prefix_len, decoded_from)
+        if priors is not None:
+            state_cached -= min(priors.fresh_shared, state_cached)
         return ScoreResult(
             distributions=distributions,
             state_tokens=prefix_len,
