@@ -1044,15 +1044,13 @@ class Engine:
         the context and its bookkeeping, so the next request starts from a known state."""
         started = time.perf_counter()
         with self.lock, self._running(plan, cancel):
-            priors = None
-            if plan.content_free is not None:
-                # The request's prefix is counted before its content-free pass: a state the context holds
-                # from an earlier request is then a prefix seen twice, which the pass snapshots before it
-                # rewinds past it (_use_prefix_snapshots) and the request's own pass restores, instead of
-                # evaluating the state again (a new question, or the other option order, on a held state).
-                self._note_prefix([list(s) for s in plan.prefix_segments])
-                priors = self._content_free_priors(plan, cancel, started)
-            return self._execute(plan, cancel, started, priors, noted=plan.content_free is not None)
+            # The request's prefix is counted before its content-free pass: a state the context holds from
+            # an earlier request is then a prefix seen twice, which the pass snapshots before it rewinds past
+            # it (_use_prefix_snapshots) and the request's own pass restores, instead of evaluating the state
+            # again (a new question, or the other option order, on a held state).
+            self._note_prefix(plan.prefix_segments)
+            priors = self._content_free_priors(plan, cancel, started) if plan.content_free is not None else None
+            return self._execute(plan, cancel, started, priors)
 
     @contextlib.contextmanager
     def _running(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]]):
@@ -1091,6 +1089,7 @@ class Engine:
             return _Priors(priors, [True] * len(keys), 0, [0] * len(keys))
         # Only the questions whose prior is not held, from the content-free prefix (evaluated once for them).
         subset = replace(content_free, questions=tuple(content_free.questions[i] for i in missing))
+        self._note_prefix(subset.prefix_segments)
         try:
             result = self._execute(subset, cancel, started)
         except Cancelled:
@@ -1133,15 +1132,14 @@ class Engine:
         self._content_free.clear()
 
     def _execute(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]], started: float,
-                 priors: Optional["_Priors"] = None, noted: bool = False) -> ScoreResult:
+                 priors: Optional["_Priors"] = None) -> ScoreResult:
+        """Score a plan whose prefix its caller has counted (_note_prefix), its priors already evaluated."""
         if not self.prefix_cache:
             self.invalidate()
         # Where this request's own pass starts decoding; what its content-free pass decoded of the prefix
         # they share (the template head) is taken off the reuse below (priors.fresh_shared).
         self._decoded_from = None
         prefix = [list(s) for s in plan.prefix_segments]
-        if not noted:
-            self._note_prefix(prefix)
         prefix_len = plan.state_tokens
         distributions = []
         evaluated = memo_suffix_tokens = 0

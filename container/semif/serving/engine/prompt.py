@@ -21,7 +21,7 @@ import re
 import string
 import sys
 import unicodedata
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Literal, Optional, Sequence
 
 import jinja2
@@ -93,6 +93,9 @@ BINARY_LABELS = ("Yes", "No")
 SCALE_CANDIDATES = [str(i) for i in range(10)]
 
 
+HASHED_WHEN_SET = "hashed_when_set"
+
+
 @dataclass(frozen=True)
 class Style:
     """What a template version writes around the state and the question.
@@ -112,14 +115,16 @@ class Style:
     option_text: Literal["key_description", "description"] = "key_description"
     reply: Literal["range", "labels", "none"] = "range"
     datamark: bool = False
-    recap: Literal["none", "question", "question_keys"] = "none"
+    # Fields added after v3 carry HASHED_WHEN_SET: the template hash names them only when they differ from
+    # their default, so a template that does not use one keeps its hash (and its calibration files).
+    recap: Literal["none", "question", "question_keys"] = field(default="none", metadata={HASHED_WHEN_SET: True})
 
 
 def _style_repr(style: Style) -> str:
-    """The style as the template hash reads it: a field added later appears only when it is set, so a
-    template that does not use it keeps its hash (and the calibration files fitted on it)."""
-    text = repr(style)
-    return text.replace(", recap='none'", "") if style.recap == "none" else text
+    """The style as the template hash reads it: ``repr(style)`` without the HASHED_WHEN_SET fields at their default."""
+    shown = [f"{f.name}={getattr(style, f.name)!r}" for f in fields(style)
+             if not (f.metadata.get(HASHED_WHEN_SET) and getattr(style, f.name) == f.default)]
+    return f"{type(style).__name__}({', '.join(shown)})"
 
 
 STYLES: dict[str, Style] = {
@@ -267,13 +272,19 @@ def _option_line(label: str, outcome: Outcome, style: Style = _LEGACY) -> str:
 _LISTED_LABELS = 8
 
 
+def _label_word(labels: Sequence[str]) -> str:
+    """What the reply line calls a label: letter, number, or label."""
+    if all(len(t) == 1 and t.isalpha() for t in labels):
+        return "letter"
+    return "number" if all(t.isdigit() for t in labels) else "label"
+
+
 def _reply_line(labels: Sequence[str], style: Style) -> Optional[str]:
     if style.reply == "none":
         return None
     if style.reply == "range":
         return f"Reply with the label ({labels[0]} to {labels[-1]}) of the best option."
-    word = "letter" if all(len(t) == 1 and t.isalpha() for t in labels) else (
-        "number" if all(t.isdigit() for t in labels) else "label")
+    word = _label_word(labels)
     listed = ", ".join(labels) if len(labels) <= _LISTED_LABELS else f"{labels[0]} to {labels[-1]}"
     return f"Reply with one {word}: {listed}."
 
@@ -332,11 +343,10 @@ def render_after_state(question: Question, labels: Optional[Sequence[str]], styl
         return recap + f"Reply {labels[0]} for yes or {labels[1]} for no."
     if labels is None:
         return recap + "Reply with the best option listed before the state."
-    shown = list(range(len(question.outcomes))) if order is None else list(order)
     if style.recap == "question_keys":
+        shown = range(len(question.outcomes)) if order is None else order
         listed = ", ".join(f"{label} ({question.outcomes[i].key})" for label, i in zip(labels, shown))
-        word = "letter" if all(len(t) == 1 and t.isalpha() for t in labels[: len(shown)]) else "label"
-        return recap + f"Reply with one {word}: {listed}."
+        return recap + f"Reply with one {_label_word(labels[: len(question.outcomes)])}: {listed}."
     return recap + _reply_line(list(labels[: len(question.outcomes)]), replace(style, reply="labels"))
 
 
