@@ -346,7 +346,9 @@ def render_after_state(question: Question, labels: Optional[Sequence[str]], styl
     if style.recap == "question_keys":
         shown = range(len(question.outcomes)) if order is None else order
         listed = ", ".join(f"{label} ({question.outcomes[i].key})" for label, i in zip(labels, shown))
-        return recap + f"Reply with one {_label_word(labels[: len(question.outcomes)])}: {listed}."
+        # "letter" or "label", never "number": the wording the measured v3-of-keys figures ran with.
+        word = "letter" if _label_word(labels[: len(question.outcomes)]) == "letter" else "label"
+        return recap + f"Reply with one {word}: {listed}."
     return recap + _reply_line(list(labels[: len(question.outcomes)]), replace(style, reply="labels"))
 
 
