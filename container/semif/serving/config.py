@@ -131,7 +131,7 @@ class Settings:
     # Debiasing by default (a request's `debias` overrides it): content_free divides out each option's
     # content-free prior (label scoring; cloze requests and native decision models keep "none"). See
     # docs/explanation/scoring.md, "Content-free calibration", and docs/benchmarks.md, "Template changes".
-    debias: str = "content_free"
+    debias: str = DEFAULT_DEBIAS
     # debias content_free: content-free priors kept, one per question and option set (a few floats each).
     content_free_entries: int = 1024
     # Several sequences per decode (semif/serving/engine/batching.py): off by default, so that an answer never
