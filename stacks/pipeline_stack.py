@@ -157,8 +157,9 @@ class PipelineStack(Stack):
                                              pull_accounts=pull_accounts, environments=[s.name for s in stages])
         self.image_steps = {
             spec.variant: self.images.build_step(spec, source=self.source)
-            for spec in default_build_specs(cpu_base_image=dlc_base_images["cpu"],
-                                            gpu_base_image=dlc_base_images["gpu"])
+            for spec in default_build_specs(cpu_base_image=dlc_base_images.get("cpu", ""),
+                                            gpu_base_image=dlc_base_images.get("gpu", ""))
+            if spec.variant in dlc_base_images  # the variants the stages run, and no other
         }
         self.check_role = iam.Role(
             self, "CheckRole", role_name=PIPELINE_CHECK_ROLE_NAME,

