@@ -2,7 +2,7 @@
 
     with SemIfClient("http://127.0.0.1:8080") as client:                 # local adapter
         result = client.decide("The VPN drops every ten minutes.", "Which team?", ["hardware", "network"])
-    with SemIfClient.for_endpoint("semif-prod", region_name="eu-west-1") as client:   # SageMaker
+    with SemIfClient.for_endpoint("semif-prod-decision", region_name="us-east-1") as client:   # SageMaker
         ...
     result["choice"], result["probabilities"], result.attempts
 

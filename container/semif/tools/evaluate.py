@@ -2,8 +2,9 @@
 
     semif-eval data.jsonl --model model.gguf [--scoring label,sequence] [--compare-chat] [--out DIR]
     semif-eval data.jsonl --url http://127.0.0.1:8080
-    semif-eval data.jsonl --endpoint semif-prod --region eu-west-1
-    semif-eval s3://bucket/eval/data.jsonl --endpoint semif-staging --out s3://bucket/reports/staging/ \
+    semif-eval data.jsonl --endpoint semif-prod-decision --region us-east-1
+    semif-eval s3://bucket/eval/data.jsonl --endpoint semif-staging-decision --region us-east-1 \
+        --out s3://bucket/reports/staging/ \
         --baseline s3://bucket/reports/prod/report.json --limits limits.json      # the release gate
 
 Each line: {"id", "category", "state", "question", "options": [{"id", "description"}], "answer"}

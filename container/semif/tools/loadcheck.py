@@ -2,7 +2,7 @@
 project's client and its retry policy, held against limits.
 
     semif-loadcheck --url http://127.0.0.1:8080 --clients 4 --duration-s 60
-    semif-loadcheck --endpoint semif-staging --region eu-west-1 --data s3://bucket/eval/decisions.jsonl \\
+    semif-loadcheck --endpoint semif-staging-decision --region us-east-1 --data s3://bucket/eval/decisions.jsonl \\
         --clients 8 --duration-s 180 --limits '{"max_p95_ms": 2000, "max_failed_share": 0}' --out s3://bucket/reports/staging/
 
 ``clients`` threads each send one decision at a time (the labeled cases in turn, or one built-in case,

@@ -4,7 +4,7 @@
 `invoke_endpoint` (SigV4 by boto3). It works with plain `httpx`, and with `httpx2`, which the official
 SDKs (`typesafe-sdk`, `openai`) are built on:
 
-    transport = SageMakerTransport("semif-prod", region_name="eu-west-1")
+    transport = SageMakerTransport("semif-prod-decision", region_name="us-east-1")
     httpx.Client(transport=transport, base_url="https://sagemaker")           # plain httpx
     TypeSafeClient(api_key="unused", base_url="https://sagemaker", transport=transport)
     OpenAI(api_key="unused", base_url="https://sagemaker", http_client=httpx2.Client(transport=transport))

@@ -3,9 +3,10 @@
 Every object written to S3 carries SSE-KMS (`ServerSideEncryption: aws:kms`, and the key when one is
 given), so a bucket whose policy refuses unencrypted or SSE-S3 puts accepts it:
 
-    store = Storage(kms_key_id="arn:aws:kms:eu-west-1:111122223333:key/…")   # or None: the bucket's KMS default
-    rows = store.read_text("s3://semif-models/eval/decisions.jsonl")
-    store.write_bytes(store.join("s3://semif-models/reports/staging/", "report.json"), body, "application/json")
+    store = Storage(kms_key_id="arn:aws:kms:us-east-1:111122223333:key/…")   # or None: the bucket's KMS default
+    bucket = "s3://semif-staging-models-111111111111-us-east-1"   # a model bucket: semif-<env>-models-<account>-<region>
+    rows = store.read_text(f"{bucket}/eval/decisions.jsonl")
+    store.write_bytes(store.join(f"{bucket}/reports/staging/", "report.json"), body, "application/json")
 """
 
 from __future__ import annotations

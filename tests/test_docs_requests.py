@@ -1,0 +1,459 @@
+"""Every request the guides show reaches an endpoint the stacks create and is answered as the guide says.
+
+What counts as a request, block by block (docs/how-to/*.md, and docs/reference/api.md for JSON bodies):
+
+- A ```json (or ```jsonl) block is read as one JSON value, else as JSON Lines (one value per non-blank line).
+  A value is a **request body** when it is an object with a top-level key that `/invocations` dispatches on:
+  `decision`, `decisions`, `questions` or `messages` (docs/reference/api.md, "/invocations dispatch rule").
+  Answers, labeled rows, limits and calibration files have none of these keys at the top. A block that is
+  not valid JSON (an abridged file, `…`) must not contain any of those keys: an abridged request cannot run.
+  Each request is POSTed to a local adapter's `/invocations` and must answer 200; a JSON Lines block is also
+  POSTed whole as `application/jsonlines`, and no answer line may be an error. A block meant to show a refusal
+  says so on the line before its fence: `<!-- status: 422 -->`.
+- A ```python block that uses `SemIfClient`, `SageMakerTransport` or `invoke_endpoint` runs as written, with
+  boto3's `sagemaker-runtime` client answering `InvokeEndpoint` from the local adapter (botocore's own
+  `before-send` hook: the body is serialized, signed and parsed by botocore as for SageMaker; a 4xx comes
+  back as SageMaker's `ModelError`). Every endpoint it calls must be a decision endpoint the stacks create, in
+  that environment's region, and every call must answer 200. Other Python blocks must compile.
+- In ```bash/```sh blocks, `aws sagemaker-runtime invoke-endpoint` names a decision endpoint the stacks create,
+  in its region, and its `--body` (an inline JSON argument, or a `fileb://`/`file://` file written by an
+  `echo '…' > FILE` or a heredoc in the same guide) answers 200 from the local adapter.
+- Everywhere in docs/ (and README.md) and in the operator tools' docstrings, an endpoint or region named in a
+  call (`--endpoint`, `--endpoint-name`, `for_endpoint("…")`, `SageMakerTransport("…")`, `EndpointName=…`,
+  `--region`, `region_name=…`, `REGION=…`) is one the stacks create. Placeholders (`NAME`, `<endpoint>`,
+  `$VAR` that no block sets) are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import httpx
+import pytest
+
+from serving import ServeProcess, embedded_model, free_port
+from test_docs import heredoc_bodies, logical_lines, shell_blocks
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+GUIDES = sorted((DOCS / "how-to").glob("*.md"))
+BODY_PAGES = [*GUIDES, DOCS / "reference" / "api.md"]
+TOOLS = sorted((REPO / "container" / "semif" / "tools").glob("*.py"))
+
+# The keys by which `/invocations` picks a contract: a JSON object with one of them at the top is a request.
+REQUEST_KEYS = ("decision", "decisions", "questions", "messages")
+STATUS_MARK = re.compile(r"<!--\s*status:\s*(\d{3})\s*-->")
+SDK_MARKERS = ("SemIfClient", "SageMakerTransport", "invoke_endpoint")
+JSONLINES = "application/jsonlines"
+
+
+# ---------------------------------------------------------------- what the stacks create
+
+
+def stack_endpoints() -> dict[str, dict[str, str]]:
+    """{endpoint name: {"env", "region", "kind"}} for every endpoint config/environments.json deploys."""
+    config = json.loads((REPO / "config" / "environments.json").read_text())
+    endpoints = {}
+    for env_name, env in config["environments"].items():
+        for kind in ("decision", "text"):
+            if env.get(kind):
+                endpoints[env[kind]["endpoint_name"]] = {"env": env_name, "region": env["region"], "kind": kind}
+    return endpoints
+
+
+def decision_endpoints() -> dict[str, dict[str, str]]:
+    return {name: where for name, where in stack_endpoints().items() if where["kind"] == "decision"}
+
+
+def stack_regions() -> set[str]:
+    return {where["region"] for where in stack_endpoints().values()}
+
+
+def test_the_stacks_create_a_decision_endpoint_per_environment_named_after_it():
+    endpoints = decision_endpoints()
+    assert endpoints and all(name == f"semif-{where['env']}-decision" for name, where in endpoints.items()), endpoints
+
+
+# ---------------------------------------------------------------- extraction
+
+
+def fenced_blocks(markdown: str, languages: tuple[str, ...]) -> list[tuple[str, str, int]]:
+    """(body, the line before the fence with blank lines skipped, line number) of each block in `languages`."""
+    blocks = []
+    for match in re.finditer(r"(?ms)^([ \t]*)```([\w-]*)[^\n]*\n(.*?)^[ \t]*```", markdown):
+        if match.group(2) not in languages:
+            continue
+        indent = len(match.group(1))
+        body = "\n".join(line[indent:] if line[:indent].isspace() else line for line in match.group(3).splitlines())
+        before = [line for line in markdown[: match.start()].splitlines() if line.strip()]
+        blocks.append((body, before[-1] if before else "", markdown.count("\n", 0, match.start()) + 1))
+    return blocks
+
+
+def parse_json_block(body: str) -> list | None:
+    """The block's JSON values (one, or one per line), or None when it is not JSON."""
+    try:
+        return [json.loads(body)]
+    except ValueError:
+        pass
+    try:
+        return [json.loads(line) for line in body.splitlines() if line.strip()]
+    except ValueError:
+        return None
+
+
+def is_request(value) -> bool:
+    return isinstance(value, dict) and any(key in value for key in REQUEST_KEYS)
+
+
+def request_blocks(page: Path) -> tuple[list[dict], list[str]]:
+    """The page's request bodies ({"where", "values", "status"}), and the abridged blocks that look like requests."""
+    requests, abridged = [], []
+    for body, before, line in fenced_blocks(page.read_text(), ("json", "jsonl", "jsonlines")):
+        where = f"{page.relative_to(REPO)}:{line}"
+        values = parse_json_block(body)
+        if values is None:
+            if re.search(r'"(%s)"\s*:' % "|".join(REQUEST_KEYS), body):
+                abridged.append(where)
+            continue
+        if any(is_request(v) for v in values):
+            mark = STATUS_MARK.search(before)
+            requests.append({"where": where, "values": values, "status": int(mark.group(1)) if mark else 200})
+    return requests, abridged
+
+
+def all_request_blocks() -> list[dict]:
+    return [block for page in BODY_PAGES for block in request_blocks(page)[0]]
+
+
+def python_blocks(page: Path) -> list[tuple[str, str]]:
+    blocks = fenced_blocks(page.read_text(), ("python", "py"))
+    return [(f"{page.relative_to(REPO)}:{line}", body) for body, _, line in blocks]
+
+
+def sdk_snippets() -> list[tuple[str, str]]:
+    return [(where, body) for page in GUIDES for where, body in python_blocks(page)
+            if any(marker in body for marker in SDK_MARKERS)]
+
+
+def shell_assignments(guide_text: str) -> dict[str, str]:
+    """`VAR=value` and `export A=x B=y` with literal values, across the guide's shell blocks in order."""
+    values: dict[str, str] = {}
+    for block in shell_blocks(guide_text):
+        for line in logical_lines(block):
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            words = words[1:] if words[:1] == ["export"] else words
+            for word in words:
+                assignment = re.fullmatch(r"([A-Za-z_]\w*)=([^$`]*)", word)
+                if not assignment:
+                    break
+                values[assignment.group(1)] = assignment.group(2)
+    return values
+
+
+def expand(word: str, variables: dict[str, str]) -> str:
+    return re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda m: variables.get(m.group(1), m.group(0)), word)
+
+
+def option_value(words: list[str], option: str) -> str | None:
+    for i, word in enumerate(words):
+        if word == option and i + 1 < len(words):
+            return words[i + 1]
+        if word.startswith(option + "="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def written_files(guide_text: str) -> dict[str, str]:
+    """What the guide's shell blocks write into a file: `echo '…' > FILE`, `printf '…' > FILE`, heredocs."""
+    files = {}
+    for block in shell_blocks(guide_text):
+        for line in logical_lines(block):
+            match = re.match(r"\s*(?:echo|printf)\s+('(?:[^']*)'|\"(?:[^\"\\]|\\.)*\")\s*>\s*(\S+)\s*$", line)
+            if match:
+                files[match.group(2)] = shlex.split(match.group(1))[0]
+        for opener, body in heredoc_bodies(block):
+            target = re.search(r">\s*(\S+)", opener)
+            if target and target.group(1)[0] not in "<&":
+                files[target.group(1)] = body
+    return files
+
+
+def invoke_endpoint_commands(guide: Path) -> list[dict]:
+    """`aws sagemaker-runtime invoke-endpoint` commands: where, endpoint, region, content type and body."""
+    text = guide.read_text()
+    variables, files, commands = shell_assignments(text), written_files(text), []
+    for block in shell_blocks(text):
+        for line in logical_lines(block):
+            for command in re.split(r"&&|\|\||;|\|", line):
+                try:
+                    words = [expand(w, variables) for w in shlex.split(command, comments=True)]
+                except ValueError:
+                    continue
+                if words[:3] != ["aws", "sagemaker-runtime", "invoke-endpoint"]:
+                    continue
+                body_arg = option_value(words, "--body") or ""
+                source = re.match(r"fileb?://(.+)", body_arg)
+                commands.append({
+                    "id": f"{guide.name}#{len(commands) + 1}",
+                    "where": f"{guide.relative_to(REPO)}: {line.strip()[:100]}",
+                    "endpoint": option_value(words, "--endpoint-name"),
+                    "region": option_value(words, "--region"),
+                    "content_type": option_value(words, "--content-type") or "application/json",
+                    "body": files.get(source.group(1)) if source else body_arg,
+                    "body_source": body_arg,
+                })
+    return commands
+
+
+# ---------------------------------------------------------------- the local adapter
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    port = free_port()
+    env = {**os.environ, "SEMIF_HOST": "127.0.0.1", "SEMIF_PORT": str(port), "SEMIF_N_THREADS": "2",
+           "SEMIF_MODEL_PATH": str(embedded_model())}
+    server = ServeProcess(env, port, tmp_path_factory.mktemp("docs-requests") / "serve.log").wait_ready()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def post(adapter, body: bytes, content_type: str = "application/json", headers: dict | None = None) -> httpx.Response:
+    return httpx.post(adapter.base_url + "/invocations", content=body, timeout=120,
+                      headers={"content-type": content_type, **(headers or {})})
+
+
+def is_error(answer) -> bool:
+    """An error in any contract's shape: SemIf and OpenAI `error`, System One `detail`."""
+    return isinstance(answer, dict) and ("error" in answer or "detail" in answer)
+
+
+# ---------------------------------------------------------------- JSON request bodies
+
+
+def test_the_guides_show_request_bodies_of_every_contract():
+    values = [v for block in all_request_blocks() for v in block["values"] if is_request(v)]
+    shapes = {key for v in values for key in REQUEST_KEYS if key in v}
+    assert {"decision", "decisions", "questions", "messages"} <= shapes, shapes
+    assert len(values) >= 9, len(values)
+
+
+def test_no_block_shows_an_abridged_request():
+    abridged = [where for page in BODY_PAGES for where in request_blocks(page)[1]]
+    assert not abridged, f"request bodies that are not valid JSON, so cannot run: {abridged}"
+
+
+@pytest.mark.parametrize("block", all_request_blocks(), ids=lambda b: b["where"])
+def test_every_request_body_in_the_guides_gets_the_status_the_guide_says(adapter, block):
+    problems = []
+    for value in block["values"]:
+        response = post(adapter, json.dumps(value).encode())
+        if response.status_code != block["status"]:
+            problems.append(f"{response.status_code} (expected {block['status']}) for {json.dumps(value)[:200]}: "
+                            f"{response.text[:300]}")
+    if len(block["values"]) > 1 and block["status"] == 200:  # JSON Lines, as Batch Transform sends it
+        lines = "".join(json.dumps(v) + "\n" for v in block["values"])
+        response = post(adapter, lines.encode(), JSONLINES)
+        answers = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+        if response.status_code != 200 or len(answers) != len(block["values"]) or any(map(is_error, answers)):
+            problems.append(f"as JSON Lines: {response.status_code} {response.text[:500]}")
+    assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------- Python SDK snippets
+
+
+class _RawBody(io.BytesIO):
+    """What botocore reads an HTTP response body from (`read`, and `stream` for non-streaming bodies)."""
+
+    def stream(self, amt=1024, decode_content=None):
+        while chunk := self.read(amt):
+            yield chunk
+
+
+class AdapterBehindSageMaker:
+    """Answers every `sagemaker-runtime` InvokeEndpoint request botocore is about to send from the local adapter,
+    as SageMaker would: the container's body on 200, otherwise a `ModelError` carrying its status and body.
+    Records each call's endpoint, region and status; refuses any other AWS call."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.calls: list[dict] = []
+
+    def install(self, monkeypatch) -> None:
+        import boto3.session
+
+        real_client = boto3.session.Session.client
+        handler = self
+
+        def client(session, *args, **kwargs):
+            made = real_client(session, *args, **kwargs)
+            made.meta.events.register("before-send", handler.before_send)
+            return made
+
+        monkeypatch.setattr(boto3.session.Session, "client", client)
+
+    def before_send(self, request, **_):
+        from botocore.awsrequest import AWSResponse
+
+        url = urlsplit(request.url)
+        match = re.fullmatch(r"/endpoints/([^/]+)/invocations", url.path)
+        if not (url.hostname or "").startswith("runtime.sagemaker.") or not match:
+            raise AssertionError(f"the snippet calls {request.method} {request.url}; the test stands in for "
+                                 "InvokeEndpoint only")
+        body = request.body.read() if hasattr(request.body, "read") else request.body or b""
+        body = body.encode() if isinstance(body, str) else body
+        headers = {"content-type": request.headers.get("Content-Type", "application/json")}
+        if request.headers.get("X-Amzn-SageMaker-Custom-Attributes"):
+            headers["x-amzn-sagemaker-custom-attributes"] = request.headers["X-Amzn-SageMaker-Custom-Attributes"]
+        answer = post(self.adapter, body, headers["content-type"], headers)
+        region = url.hostname.split(".")[2]
+        self.calls.append({"endpoint": unquote(match.group(1)), "region": region, "status": answer.status_code})
+        if answer.status_code == 200:
+            status, payload = 200, answer.content
+            response_headers = {"Content-Type": answer.headers.get("content-type", "application/json"),
+                                "x-Amzn-Invoked-Production-Variant": "AllTraffic"}
+        else:
+            status = 424
+            payload = json.dumps({"ErrorCode": "CLIENT_ERROR_FROM_MODEL" if answer.status_code < 500 else
+                                  "SERVER_ERROR_FROM_MODEL",
+                                  "Message": f"Received error ({answer.status_code}) from primary with message "
+                                             f"\"{answer.text}\"",
+                                  "OriginalStatusCode": answer.status_code, "OriginalMessage": answer.text}).encode()
+            response_headers = {"Content-Type": "application/json", "x-amzn-ErrorType": "ModelError:"}
+        response_headers["Content-Length"] = str(len(payload))
+        return AWSResponse(request.url, status, response_headers, _RawBody(payload))
+
+
+@pytest.fixture
+def aws_offline(monkeypatch, tmp_path):
+    """Credentials that sign but reach nothing; no profile, config file or instance metadata."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+                 "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_the_guides_show_sdk_snippets_and_every_python_block_compiles():
+    assert len(sdk_snippets()) >= 1
+    for page in GUIDES:
+        for where, body in python_blocks(page):
+            compile(body, where, "exec")
+
+
+@pytest.mark.parametrize("snippet", sdk_snippets(), ids=lambda s: s[0])
+def test_every_sdk_snippet_runs_against_a_decision_endpoint_the_stacks_create(adapter, aws_offline, monkeypatch,
+                                                                              snippet):
+    where, code = snippet
+    sagemaker = AdapterBehindSageMaker(adapter)
+    sagemaker.install(monkeypatch)
+    exec(compile(code, where, "exec"), {"__name__": "snippet"})
+
+    endpoints = decision_endpoints()
+    assert sagemaker.calls, f"{where} never called InvokeEndpoint"
+    for call in sagemaker.calls:
+        assert call["endpoint"] in endpoints, f"{where}: {call['endpoint']!r} is not one of {sorted(endpoints)}"
+        assert call["region"] == endpoints[call["endpoint"]]["region"], (where, call)
+        assert call["status"] == 200, (where, call)
+    expected_calls = sum(code.count(call) for call in (".decide(", ".decide_many(", ".system_one(",
+                                                       ".decisions.create(", ".invoke_endpoint("))
+    assert len(sagemaker.calls) == expected_calls, (where, sagemaker.calls)
+
+
+def test_the_stand_in_answers_a_refused_request_as_sagemaker_does(adapter, aws_offline, monkeypatch):
+    """A 4xx from the container reaches the caller as SageMaker's ModelError would: with its status and body."""
+    from semif.tools.client import SemIfClient, SemIfError
+
+    sagemaker = AdapterBehindSageMaker(adapter)
+    sagemaker.install(monkeypatch)
+    with SemIfClient.for_endpoint("semif-dev-decision", region_name="us-east-1") as client:
+        with pytest.raises(SemIfError) as refused:
+            client.send({"decision": {"state": "x", "question": "Which?", "options": [{"id": "a"}, {"id": "b"}]}})
+    assert refused.value.status == 422 and refused.value.field == "decision.id", refused.value
+    assert sagemaker.calls == [{"endpoint": "semif-dev-decision", "region": "us-east-1", "status": 422}]
+
+
+# ---------------------------------------------------------------- AWS CLI invoke-endpoint commands
+
+
+def all_invoke_commands() -> list[dict]:
+    return [command for guide in GUIDES for command in invoke_endpoint_commands(guide)]
+
+
+@pytest.mark.parametrize("command", all_invoke_commands(), ids=lambda c: c["id"])
+def test_every_invoke_endpoint_command_names_a_stack_endpoint_and_sends_a_valid_body(adapter, command):
+    endpoints = decision_endpoints()
+    assert command["endpoint"] in endpoints, f"{command['where']}: {command['endpoint']!r} not in {sorted(endpoints)}"
+    region = command["region"]
+    assert region is None or "$" in region or region == endpoints[command["endpoint"]]["region"], command
+    assert command["body"], f"{command['where']}: no guide block writes {command['body_source']!r}"
+    response = post(adapter, command["body"].encode(), command["content_type"])
+    assert response.status_code == 200, (command["where"], response.status_code, response.text[:500])
+
+
+# ---------------------------------------------------------------- names in every call form
+
+
+_PLACEHOLDER = re.compile(r"^[A-Z_]+$|[<>…$]")  # NAME, <endpoint>, a variable no block sets
+_REGION = re.compile(r"^[a-z]{2}(?:-[a-z]+)+-\d$")
+# (the form, whether it must name a decision endpoint): the tools and the SDKs send decisions; the AWS CLI and
+# the log groups may name the chat endpoint too.
+ENDPOINT_FORMS = ((r"--endpoint[ =]['\"]?([^\s'\"`\\)]+)", True), (r"for_endpoint\(\s*['\"]([^'\"]+)", True),
+                  (r"SageMakerTransport\(\s*['\"]([^'\"]+)", True),
+                  (r"--endpoint-name[ =]['\"]?([^\s'\"`\\)]+)", False), (r"EndpointName\s*=\s*['\"]([^'\"]+)", False),
+                  (r"/aws/sagemaker/Endpoints/([^\s'\"`]+)", False))
+REGION_FORMS = (r"--region[ =]['\"]?([^\s'\"`\\)]+)", r"region_name\s*=\s*['\"]([^'\"]+)",
+                r"\bREGION=['\"]?([a-z0-9-]+)", r"arn:aws:[a-z-]+:([a-z0-9-]+):\d{12}:")
+
+
+def tool_docstrings() -> list[tuple[str, str]]:
+    return [(str(path.relative_to(REPO)), ast.get_docstring(ast.parse(path.read_text())) or "") for path in TOOLS]
+
+
+def named_texts() -> list[tuple[str, str]]:
+    pages = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
+    return [(str(page.relative_to(REPO)), page.read_text()) for page in pages] + tool_docstrings()
+
+
+def test_every_endpoint_and_region_named_in_a_call_is_one_the_stacks_create():
+    endpoints, decisions, regions = stack_endpoints(), decision_endpoints(), stack_regions()
+    problems, checked = [], 0
+    for where, text in named_texts():
+        variables = shell_assignments(text) if where.endswith(".md") else {}
+        for number, line in enumerate(text.splitlines(), 1):
+            for form, decision_only in ENDPOINT_FORMS:
+                for name in re.findall(form, line):
+                    name = expand(name, variables)
+                    if _PLACEHOLDER.search(name) or name.startswith(("http", "-")):
+                        continue
+                    checked += 1
+                    allowed = decisions if decision_only else endpoints
+                    if name not in allowed:
+                        problems.append(f"{where}:{number}: endpoint {name!r} is not one of {sorted(allowed)}")
+            for form in REGION_FORMS:
+                for region in re.findall(form, line):
+                    region = expand(region, variables)
+                    if not _REGION.match(region):
+                        continue
+                    checked += 1
+                    if region not in regions:
+                        problems.append(f"{where}:{number}: region {region!r} is not one of {sorted(regions)}")
+    assert checked >= 10, checked
+    assert not problems, "\n".join(problems)
