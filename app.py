@@ -43,6 +43,8 @@ from stacks.shared_stack import SharedStack, pipeline_check_role_name
 from stacks.text_stack import TextStack
 
 ROOT = Path(__file__).resolve().parent
+# Images one environment's own repository keeps when no pipeline config says (pipeline.image_keep_last).
+DEFAULT_KEEP_LAST_IMAGES = 30
 # dev and staging are disposable; prod keeps its data on update and delete, but not after a failed first create.
 REMOVAL_BY_TIER = {"dev": RemovalPolicy.DESTROY, "staging": RemovalPolicy.DESTROY,
                    "prod": RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE}
@@ -103,7 +105,11 @@ def environment_repository_arn(env: EnvironmentSettings) -> str:
     return f"arn:aws:ecr:{env.region}:{env.account}:repository/{image_repository_name(env.name)}"
 
 
-def pipeline_check_principal(settings: AppSettings) -> str:
+def pipeline_check_principal(settings: AppSettings, env: EnvironmentSettings) -> Optional[str]:
+    """The pipeline role the environment's check role trusts: none without a pipeline, or for an environment that
+    is not one of its stages (IAM refuses a trust policy naming an account that does not exist)."""
+    if settings.pipeline is None or env.name not in settings.pipeline.stages:
+        return None
     return f"arn:aws:iam::{settings.pipeline.account}:role/{PIPELINE_CHECK_ROLE_NAME}"
 
 
@@ -123,7 +129,7 @@ def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: App
     shared = SharedStack(scope, f"SemIf-{env.name}-Shared", stack_name=f"{prefix}-shared", env=aws_env, synthesizer=synth(),
                          env_name=env.name, model_bucket_name=bucket_name, model_prefix=env.model_prefix,
                          alarm_email=env.alarm_email, removal_policy=removal,
-                         pipeline_check_principal_arn=pipeline_check_principal(settings), endpoint_names=endpoint_names,
+                         pipeline_check_principal_arn=pipeline_check_principal(settings, env), endpoint_names=endpoint_names,
                          check_reads=access.reads if access else (), check_writes=access.writes if access else (),
                          check_lists=access.lists if access else (), check_describes_endpoint_configs=access is not None,
                          description=f"SemIf {env.name}: model bucket, alarm topic and the pipeline's check role")
@@ -162,7 +168,7 @@ def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: App
 def release_check_access(env: EnvironmentSettings, settings: AppSettings) -> Optional[ReleaseCheckAccess]:
     """What the environment's check role needs for its release checks (none without them); the same in a hand
     deploy and in the pipeline, so neither removes what the other granted."""
-    if env.release_checks is None:
+    if env.release_checks is None or settings.pipeline is None:
         return None
     return ReleaseCheckAccess.for_stage(data_key=env.release_checks.data_key, stage=env.name,
                                         baseline_stage=baseline_stage(settings.pipeline, settings.environments, env.name))
@@ -252,6 +258,9 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
     dlc = dlc_digests(app, settings)
     if str(app.node.try_get_context("pipeline") or "").lower() in ("1", "true", "yes"):
         pipeline = settings.pipeline
+        if pipeline is None:
+            raise ConfigError('pipeline: null in config/environments.json: there is no pipeline to synthesize; '
+                              'deploy each environment with `make deploy ENV=<env>`')
         specs = []
         for name in pipeline.stages:
             env = settings.environment(name)
@@ -298,7 +307,8 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                     if spec.variant == env.variant)
         image = ImageStack(app, f"SemIf-{env.name}-Image", stack_name=f"semif-{env.name}-image", env=aws_env,
                            description=f"SemIf {env.name}: adapter image repository and its CodeBuild project",
-                           env_name=env.name, build=build, keep_last_images=settings.pipeline.image_keep_last,
+                           env_name=env.name, build=build,
+                           keep_last_images=settings.pipeline.image_keep_last if settings.pipeline else DEFAULT_KEEP_LAST_IMAGES,
                            removal_policy=REMOVAL_BY_TIER[env.tier])
         stacks = add_environment(app, env, settings=settings, aws_env=aws_env,
                                  adapter_image_digest=_digest_for(digests, env.variant), dlc_digest=dlc[env.variant],

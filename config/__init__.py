@@ -300,7 +300,7 @@ class AppSettings:
     project: str
     dlc_images: DlcImageSettings
     environments: Mapping[str, EnvironmentSettings]
-    pipeline: PipelineSettings
+    pipeline: Optional[PipelineSettings]  # None: no pipeline; each environment is deployed from its own account
 
     def environment(self, name: str) -> EnvironmentSettings:
         if name not in self.environments:
@@ -326,7 +326,7 @@ def load_settings(path: Path | str = CONFIG_PATH) -> AppSettings:
     top = {k: v for k, v in raw.items() if k != "environments"}
     settings = _build(_TopLevel, top, "")
     pipeline = settings.pipeline
-    for stage in (*pipeline.stages, *pipeline.approval_before):
+    for stage in (*pipeline.stages, *pipeline.approval_before) if pipeline else ():
         if stage not in environments:
             raise ConfigError(f"pipeline: stage '{stage}' is not a defined environment")
     app_settings = AppSettings(project=settings.project, dlc_images=settings.dlc_images, environments=environments,
@@ -337,7 +337,11 @@ def load_settings(path: Path | str = CONFIG_PATH) -> AppSettings:
                               "'sha256:<64 hex>' digest (look-up command: docs/how-to/deploy-first-environment.md, step 3)")
     for env in environments.values():
         _check_environment(env)
-    _check_pipeline(pipeline, environments)
+        if pipeline is None and env.release_checks is not None:
+            raise ConfigError(f"environments.{env.name}.release_checks: the pipeline runs them; with \"pipeline\": "
+                              "null, set it to null too")
+    if pipeline is not None:
+        _check_pipeline(pipeline, environments)
     return app_settings
 
 
@@ -345,7 +349,8 @@ def load_settings(path: Path | str = CONFIG_PATH) -> AppSettings:
 class _TopLevel:
     project: str
     dlc_images: DlcImageSettings
-    pipeline: PipelineSettings
+    # Null: no pipeline account; every environment is deployed from its own account (`make deploy`).
+    pipeline: Optional[PipelineSettings]
 
 
 _ACCOUNT = re.compile(r"^\d{12}$")

@@ -54,8 +54,8 @@ class Cdk:
         _say("$ " + " ".join(shlex.quote(a) for a in argv))
         code = self.run(argv)
         if code != 0:
-            raise DeployError(f"`cdk {verb}` exited {code} (see its output above; a stack that failed its first "
-                              f"create is deleted by CloudFormation and the next run retries it)")
+            raise DeployError(f"`cdk {verb}` exited {code} (see its output above); a stack that failed its first "
+                              "create is left in ROLLBACK_COMPLETE, and the next run's `cdk deploy` replaces it")
 
 
 def _contexts(variant: str, *, adapter_digest: str, dlc_digest: str) -> dict[str, str]:
@@ -80,6 +80,7 @@ def up(args, session, settings, env, cdk: Cdk) -> None:
     if not _bootstrapped(session.client("ssm")):
         _step(f"bootstrapping CDK in aws://{env.account}/{region} (once per account and region)")
         cdk.run(["npx", "--no-install", "cdk", "bootstrap", f"aws://{env.account}/{region}",
+                 "--app", f"{shlex.quote(sys.executable)} app.py", "-c", f"env={env.name}",
                  *(["--profile", cdk.profile] if cdk.profile else [])]) == 0 or _fail("`cdk bootstrap` failed")
 
     _step(f"the {env.variant} llama.cpp DLC")
@@ -155,11 +156,29 @@ def _fail(message: str):
     raise DeployError(message)
 
 
-def check_account(sts, env) -> None:
+# The accounts of the example config/environments.json (AWS's documentation style): never a real account.
+EXAMPLE_ACCOUNTS = frozenset({"111111111111", "222222222222", "333333333333"})
+
+
+def check_account(sts, env, settings=None) -> None:
+    """Before anything is created: the credentials are for the environment's account, and no account the stacks
+    would trust (the pipeline's, the chat clients') is still one of the example config's."""
     account = sts.get_caller_identity()["Account"]
     if account != env.account:
         raise DeployError(f"your credentials are for account {account}, but environments.{env.name}.account in "
                           f"config/environments.json is {env.account}: set it to the account to deploy to")
+    if settings is None:
+        return
+    pipeline = settings.pipeline
+    if pipeline is not None and env.name in pipeline.stages and pipeline.account in EXAMPLE_ACCOUNTS:
+        raise DeployError(f"pipeline.account in config/environments.json is the example {pipeline.account}, which "
+                          f"{env.name}'s check role would trust: set your pipeline account, or \"pipeline\": null to "
+                          "deploy each environment from its own account")
+    for arn in env.text.client_role_arns if env.text else ():
+        if arn.split(":")[4] in EXAMPLE_ACCOUNTS:
+            raise DeployError(f"environments.{env.name}.text.client_role_arns names {arn}, in an example account: "
+                              "name the roles of your apps that call the chat endpoint, or \"text\": null to "
+                              "leave the chat endpoint out")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -186,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         session = boto3.Session(profile_name=args.profile, region_name=env.region)
-        check_account(session.client("sts"), env)
+        check_account(session.client("sts"), env, settings if args.command == "up" else None)
         {"up": up, "smoke": smoke_only, "down": down}[args.command](args, session, settings, env, Cdk(profile=args.profile))
     except DeployError as exc:
         _say(f"\nerror: {exc}")

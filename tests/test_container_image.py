@@ -290,8 +290,8 @@ esac
 
 
 def run_buildspec(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str], dict[str, str], str]:
-    """Run the phases as CodeBuild does: one bash session, commands in order, a failing command ends
-    its phase, and post_build runs only while the build is succeeding.
+    """Run the phases as CodeBuild does: commands in order, each a script of its own that sees the plain variables
+    of the ones before, a failing command ends its phase, and post_build runs only while the build is succeeding.
 
     ``env`` may hold ``EXISTING_MEDIA_TYPE`` (the tag is already in ECR, stored so), ``PUSHED_MEDIA_TYPE``,
     ``PUSH_RACE`` (another build pushes the tag first) and ``PUSH_FAILS``."""
@@ -307,12 +307,22 @@ def run_buildspec(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str], 
     env = dict(env)
     if "EXISTING_MEDIA_TYPE" in env:
         state.write_text(env.pop("EXISTING_MEDIA_TYPE") + "\n")
-    lines = ["CODEBUILD_BUILD_SUCCEEDING=1"]
+    # CodeBuild runs each command as a script of its own: plain variables and the working directory carry over to
+    # the next command, shell functions and arrays do not. Each command here runs in its own bash, started from
+    # the plain variables the previous one left.
+    carried = tmp_path / "carried.sh"
+    carried.write_text("CODEBUILD_BUILD_SUCCEEDING=1\n")
+    save = ("for _v in $(compgen -v); do case \"$(declare -p \"$_v\" 2>/dev/null)\" in "
+            "'declare -- '*|'declare -x '*) declare -p \"$_v\" | sed 's/^declare -[-x] //' ;; esac; done "
+            f"| grep -Ev '^(BASH|_v=|SHLVL|PWD|OLDPWD|_=)' > {carried}.next; mv {carried}.next {carried}")
+    lines = []
     for phase in ("install", "pre_build", "build", "post_build"):
         for number, command in enumerate(spec["phases"].get(phase, {}).get("commands", []), 1):
-            lines.append(f'{{\n{command}\n}} || {{ echo "FAILED {phase} command {number}" >&2; exit 1; }}')
+            step = tmp_path / f"{phase}-{number}.sh"
+            step.write_text(f"source {carried}\n{command}\n_rc=$?\n{save}\nexit $_rc\n")
+            lines.append(f'bash {step} || {{ echo "FAILED {phase} command {number}" >&2; exit 1; }}')
     exported = spec["env"]["exported-variables"]
-    lines.append("".join(f'echo "EXPORT {name}=${{{name}}}"\n' for name in exported))
+    lines.append(f"source {carried}\n" + "".join(f'echo "EXPORT {name}=${{{name}}}"\n' for name in exported))
     script = tmp_path / "build.sh"
     script.write_text("\n".join(lines))
     log = tmp_path / "stub.log"

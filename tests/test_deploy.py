@@ -331,3 +331,52 @@ def test_the_deploy_package_imports_without_llama_cpp_or_the_http_server():
                "import deploy.__main__, deploy.image, deploy.model, deploy.smoke, semif.tools.package_model, app\n")
     result = subprocess.run([sys.executable, "-c", blocker], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_answer_names_the_dlc_digest_the_image_was_built_from(tmp_path):
+    """The image's build record (container/Dockerfile writes /opt/semif/BUILD_INFO.json) reaches every answer."""
+    record = tmp_path / "BUILD_INFO.json"
+    record.write_text(json.dumps({"base_image_digest": DLC_DIGEST, "input_hash": "x", "variant": "cpu"}))
+    port = free_port()
+    env = {**os.environ, "SEMIF_MODEL_PATH": str(embedded_model()), "SEMIF_PORT": str(port), "SEMIF_HOST": "127.0.0.1",
+           "SEMIF_IMAGE_DIGEST": BUILT_DIGEST, "SEMIF_BUILD_INFO": str(record)}
+    server = ServeProcess(env, port, tmp_path / "serve.log").wait_ready()
+    try:
+        answer = httpx.post(server.base_url + "/invocations", json=SMOKE_DECISION, timeout=60).json()
+        criteria = {"model": "jev-latest", "state": "The refund has not arrived.",
+                    "questions": {"refund": {"type": "noul", "instructions": "Is the customer asking for money back?"}}}
+        system_one = httpx.post(server.base_url + "/invocations", json=criteria, timeout=60)
+    finally:
+        server.proc.terminate()
+        server.proc.wait(timeout=30)
+    assert answer["model"]["base_image_digest"] == DLC_DIGEST
+    assert answer["model"]["image_digest"] == BUILT_DIGEST
+    assert system_one.status_code == 200, system_one.text
+    assert system_one.json()["x_semif"]["base_image_digest"] == DLC_DIGEST
+
+
+def test_an_example_account_left_where_a_stack_would_trust_it_stops_the_command():
+    """The example config's accounts are placeholders: a stack must never trust them in a real deploy."""
+    import dataclasses
+
+    from config import load_settings
+    from deploy.__main__ import check_account
+
+    settings = load_settings()
+    dev = dataclasses.replace(settings.environment("dev"), account="444455556666")
+
+    def caller():
+        sts, stub = stubbed("sts")
+        stub.add_response("get_caller_identity", {"Account": "444455556666", "Arn": "arn:aws:iam::444455556666:user/x",
+                                                  "UserId": "x"})
+        stub.activate()
+        return sts
+
+    with pytest.raises(DeployError, match=r"pipeline.account .* example 333333333333.*\"pipeline\": null"):
+        check_account(caller(), dev, settings)
+    no_pipeline = dataclasses.replace(settings, pipeline=None)
+    with pytest.raises(DeployError, match=r"client_role_arns names arn:aws:iam::111111111111:role/semif-dev-chat-app"):
+        check_account(caller(), dev, no_pipeline)
+    mine = dataclasses.replace(dev, text=dataclasses.replace(
+        dev.text, client_role_arns=("arn:aws:iam::444455556666:role/my-chat-app",)))
+    check_account(caller(), mine, no_pipeline)  # nothing left to refuse

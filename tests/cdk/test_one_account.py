@@ -159,3 +159,33 @@ def test_checkov_finds_no_failed_check_in_the_image_stack(dev_assembly, prod_ass
             failed += [f"{f['check_id']} {f['resource']} ({name}): {f['check_name']}" for f in r["results"]["failed_checks"]]
             assert r["results"]["passed_checks"], name
     assert failed == []
+
+
+def _one_account_config(tmp_path) -> Path:
+    config = json.loads((REPO / "config" / "environments.json").read_text())
+    config["pipeline"] = None
+    for env in config["environments"].values():
+        env["release_checks"] = None
+    path = tmp_path / "environments.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_without_a_pipeline_an_environment_trusts_no_other_account_and_the_pipeline_cannot_synth(tmp_path):
+    from aws_cdk import App
+
+    import app as semif_app
+    from cdk_testing import cdk_json_context
+    from config import ConfigError
+
+    path = _one_account_config(tmp_path)
+    cdk_app = semif_app.build_app(App(outdir=str(tmp_path / "out"), context={**cdk_json_context(), "env": "dev",
+                                                                           **IMAGE_DIGESTS}), config_path=path)
+    stacks = templates(cdk_app.synth())
+    shared = stacks["semif-dev-shared"]
+    assert not [r for r in _resources(shared, "AWS::IAM::Role").values()
+                if "pipeline-check" in r["Properties"].get("RoleName", "")]
+    assert "333333333333" not in json.dumps(stacks)
+    with pytest.raises(ConfigError, match="pipeline: null.*make deploy"):
+        semif_app.build_app(App(outdir=str(tmp_path / "p"), context={**cdk_json_context(), "pipeline": "true"}),
+                            config_path=path)

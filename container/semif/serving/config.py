@@ -76,6 +76,8 @@ class Settings:
     model_alias: Optional[str] = None
     calibration_path: Optional[Path] = None
     image_digest: Optional[str] = None
+    # What the image build recorded (container/Dockerfile): the DLC digest it was built FROM goes into every answer.
+    build_info: str = "/opt/semif/BUILD_INFO.json"
     log_level: str = "INFO"
     require_gpu: bool = False
     # JSON Lines mini-batches (SageMaker Batch Transform; semif/serving/http/jsonlines.py). The deadline stays
@@ -121,6 +123,17 @@ class Settings:
         for secret in (s for s in SETTINGS if s.scope == SECRET):
             values[secret.key] = _read_secret(env, secret.name)
         return cls(model_path=model_path, **values)
+
+
+def read_build_info(path: str) -> dict:
+    """The image's build record, or {} outside an image (a local `serve`) or when it cannot be read."""
+    import json
+
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _resolve_model_file(name: str, value: Optional[str], model_dir: Path) -> Optional[Path]:

@@ -9,7 +9,7 @@ import time
 
 from .. import __version__
 from .postprocess.calibration import CalibrationError
-from .config import Settings, SettingsError
+from .config import Settings, SettingsError, read_build_info
 from .engine.manifest import ManifestError, sha256_file, verify_model_file
 
 log = logging.getLogger("semif.serve")
@@ -48,6 +48,8 @@ def build_app(settings: Settings):
         content_free_entries=settings.content_free_entries,
     )
     engine.default_debias = settings.debias  # the server default; requests may override it (`debias`)
+    # The DLC the image was built FROM, by digest: part of every answer's record, beside the image's own digest.
+    engine.info["base_image_digest"] = read_build_info(settings.build_info).get("base_image_digest")
     if calibration is not None:
         try:  # the template is known once the model is loaded (its chat template is part of it)
             calibration.check_served(engine.info)

@@ -152,6 +152,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SEMIF_HOST", "str", CONTRACT, "0.0.0.0", strip=True),
     Setting("SEMIF_PORT", "int", CONTRACT, 8080, minimum=0),
     Setting("SEMIF_IMAGE_DIGEST", "str", CONTRACT),
+    Setting("SEMIF_BUILD_INFO", "str", CONTRACT, "/opt/semif/BUILD_INFO.json", strip=True),
     Setting("SEMIF_REQUIRE_GPU", "bool", CONTRACT, False, default_doc="`0` (`1` on GPU variants, set by CDK)"),
     Setting("SEMIF_API_KEY_SECRET_ARN", "str", CONTRACT, strip=True),
     Setting("SEMIF_LOG_HASH_KEY_SECRET_ARN", "str", CONTRACT, strip=True),

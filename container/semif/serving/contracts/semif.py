@@ -299,6 +299,7 @@ def _model_record(run: RunContext, scoring: str) -> dict:
         "hardware": info["hardware"],
         "scoring": scoring,
         "image_digest": run.image_digest,
+        "base_image_digest": info.get("base_image_digest"),
     }
 
 

@@ -267,6 +267,7 @@ def parse(body: Any, limits: Limits) -> Job:
                 "injection_suspected": getattr(result, "injection_suspected", None),
                 "template_sha256": info.get("template_sha256"),
                 "image_digest": run.image_digest,
+                "base_image_digest": info.get("base_image_digest"),
                 "scoring": result.distributions[0].scoring if result.distributions else None,
                 "state_tokens": result.state_tokens,
                 "cached_tokens": result.cached_tokens,
