@@ -18,7 +18,7 @@ from semif.serving.engine.plan import CONTENT_FREE_STATE, PlanError
 from semif.serving.engine.prompt import Outcome, Question
 from semif.tools.recompute import recompute_logits
 
-from serving import start_cold
+from serving import make_settings, start_cold
 
 ROUTE = Question("Which queue should handle this request?",
                  (Outcome("account_access", "Logins, passwords, locked accounts."),
@@ -251,16 +251,52 @@ def test_states_and_option_sets_alternating_through_the_snapshots_stay_exact(fre
     assert engine.prefix_restores > restores
 
 
-def test_under_the_default_a_request_over_budget_with_its_prior_is_answered_without_it(fresh):
+def test_under_the_default_a_request_over_budget_with_its_prior_is_refused_naming_the_field(fresh):
     engine = fresh
     plain = engine.plan(STATES[0], [ROUTE], debias="none")
     budget = plain.worst_case_tokens
-    by_default = engine.plan(STATES[0], [ROUTE], default_debias="content_free", max_request_tokens=budget)
-    assert by_default.debias == "none" and by_default.content_free is None
+    with pytest.raises(TokenBudgetExceeded) as over:
+        engine.plan(STATES[0], [ROUTE], default_debias="content_free", max_request_tokens=budget,
+                    budget_field="decisions")
+    assert over.value.field == "decisions" and "debias 'none'" in str(over.value)
     assert engine.plan(STATES[0], [ROUTE], default_debias="content_free").debias == "content_free"
     with pytest.raises(TokenBudgetExceeded) as over:
         engine.plan(STATES[0], [ROUTE], debias="content_free", max_request_tokens=budget)
     assert over.value.field == "debias" and "debias 'none'" in str(over.value)
+
+
+def test_a_held_prior_costs_nothing_in_the_token_budget(fresh):
+    engine = fresh
+    plain = engine.plan(STATES[0], [ROUTE, URGENT], debias="none")
+    cold = engine.plan(STATES[0], [ROUTE, URGENT], debias="content_free")
+    assert cold.worst_case_tokens > plain.worst_case_tokens
+    engine.score(STATES[1], [ROUTE], debias="content_free")  # ROUTE's prior held from here on
+    half = engine.plan(STATES[0], [ROUTE, URGENT], debias="content_free")
+    assert half.worst_case_tokens == cold.worst_case_tokens - cold.content_free.questions[0].worst_case_tokens
+    engine.score(STATES[1], [URGENT], debias="content_free")
+    held = engine.plan(STATES[0], [ROUTE, URGENT], debias="content_free", max_request_tokens=plain.worst_case_tokens)
+    assert held.worst_case_tokens == plain.worst_case_tokens
+    passes = engine.content_free_passes
+    engine.clear_content_free()  # evicted after planning: the plan kept the priors it counted as held
+    result = engine.execute(held)
+    assert engine.content_free_passes == passes and result.evaluated_tokens <= held.worst_case_tokens
+    assert [d.debias for d in result.distributions] == ["content_free", "content_free"]
+
+
+def test_copies_of_one_question_evaluate_and_count_one_content_free_prompt(fresh):
+    engine = fresh
+    one = engine.plan(STATES[0], [ROUTE], debias="content_free")
+    many = engine.plan(STATES[0], [ROUTE] * 5, debias="content_free")
+    plain = engine.plan(STATES[0], [ROUTE] * 5, debias="none")
+    assert many.worst_case_tokens - plain.worst_case_tokens == one.content_free.worst_case_tokens
+    passes = engine.content_free_passes
+    got = engine.execute(many)
+    assert engine.content_free_passes == passes + 1
+    assert [d.content_free["held"] for d in got.distributions] == [False] * 5
+    assert sum(d.content_free["evaluated_tokens"] for d in got.distributions) == got.evaluated_tokens - sum(
+        d.evaluated_tokens for d in got.distributions)
+    assert got.evaluated_tokens <= many.worst_case_tokens
+    _same(got, _cold(engine, STATES[0], [ROUTE] * 5))
 
 
 def test_under_the_default_cloze_scoring_keeps_none_and_asked_for_it_is_refused(fresh):
@@ -344,6 +380,87 @@ def test_openai_decisions_answers_say_they_were_debiased(client, fresh):
     assert x["debias"] == "content_free" and x["content_free"][0]["state"] == CONTENT_FREE_STATE
     raw = client.post("/v1/decisions", json={**body, "debias": "none"}).json()
     assert raw["x_semif"]["debias"] == "none" and "content_free" not in raw["x_semif"]
+
+
+# A decision whose question suffix (~94 tokens) makes 399 copies of it fit the default budget
+# (SEMIF_MAX_REQUEST_TOKENS, 65536) with one content-free prompt counted, and not with one per copy.
+PARCEL = Question("Which support queue should handle this customer message?",
+                  (Outcome("account_access", "Sign-in problems: forgotten passwords, locked or disabled accounts, two-factor codes."),
+                   Outcome("billing", "Money: charges, double charges, refunds, invoices, payment methods."),
+                   Outcome("shipping", "Parcels: delivery status, lost or late parcels, returns and exchanges.")))
+PARCEL_STATE = ("The tracking page says my parcel was delivered yesterday, but nothing came and the neighbours "
+                "have not seen it.")
+
+
+def _semif_body(questions, state=PARCEL_STATE):
+    return {"state": state, "decisions": [
+        {"id": f"d{i}", "question": q.text, "options": [{"id": o.key, "description": o.description} for o in q.outcomes]}
+        for i, q in enumerate(questions)]}
+
+
+def _openai_body(questions, state=PARCEL_STATE):
+    return {"model": "gpt-6-luna", "input": state, "questions": [
+        {"type": "choice", "name": f"q{i}", "instructions": q.text,
+         "choices": [{"value": o.key, "description": o.description} for o in q.outcomes]}
+        for i, q in enumerate(questions)]}
+
+
+def _probabilities(path, body):
+    if path == "/v1/semif":
+        return [r["probabilities"] for r in body["results"]]
+    return [[c["probability"] for c in a["probabilities"]] for a in body["answers"]]
+
+
+@pytest.mark.parametrize("path, make", [("/v1/semif", _semif_body), ("/v1/decisions", _openai_body)])
+def test_a_decision_among_399_copies_answers_as_it_does_alone_at_the_default_budget(client, engine, path, make):
+    start_cold(engine)
+    alone = client.post(path, json=make([PARCEL]))
+    assert alone.status_code == 200, alone.text
+    start_cold(engine)
+    many = client.post(path, json=make([PARCEL] * 399))
+    assert many.status_code == 200, many.text
+    [want] = _probabilities(path, alone.json())
+    got = _probabilities(path, many.json())
+    assert len(got) == 399
+    np.testing.assert_allclose(got, [want] * 399, rtol=0, atol=1e-6)
+    if path == "/v1/semif":
+        assert {r["prompt"]["debias"] for r in many.json()["results"]} == {"content_free"}
+
+
+@pytest.fixture
+def tight_client(engine, model_path):
+    """The server at its defaults but for SEMIF_MAX_REQUEST_TOKENS=1500."""
+    from starlette.testclient import TestClient
+
+    from semif.serving.http.app import create_app
+
+    with TestClient(create_app(make_settings(model_path, max_request_tokens=1500), engine),
+                    raise_server_exceptions=False) as tight:
+        yield tight
+
+
+FILLERS = [Question(f"Filler question number {i}?", (Outcome("a"), Outcome("b"))) for i in range(15)]
+
+
+@pytest.mark.parametrize("path, make, field", [("/v1/semif", _semif_body, "decisions"),
+                                               ("/v1/decisions", _openai_body, "questions")])
+def test_over_the_budget_the_default_calibration_is_refused_naming_the_field_never_dropped(tight_client, engine,
+                                                                                           path, make, field):
+    start_cold(engine)
+    alone = tight_client.post(path, json=make([PARCEL]))
+    assert alone.status_code == 200, alone.text
+    start_cold(engine)
+    refused = tight_client.post(path, json=make([PARCEL] + FILLERS))
+    assert refused.status_code == 413, refused.text
+    assert field in refused.text and "SEMIF_MAX_REQUEST_TOKENS" in refused.text
+    # With every prior held (each question asked before, in requests that fit) nothing more is evaluated
+    # for them: the same request fits and is answered at its calibration, as alone.
+    for start in range(0, len(FILLERS), 8):
+        assert tight_client.post(path, json=make([PARCEL] + FILLERS[start:start + 8])).status_code == 200
+    held = tight_client.post(path, json=make([PARCEL] + FILLERS))
+    assert held.status_code == 200, held.text
+    np.testing.assert_allclose(_probabilities(path, held.json())[0], _probabilities(path, alone.json())[0],
+                               rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("path, body", [

@@ -184,3 +184,17 @@ def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_p
     assert len(prior) == 4 and prior.sum() == pytest.approx(1.0)
     assert set(fitted["contextual_temperatures"]) == {"global", "per_decision"}
     assert calibration.raw["fit"]["cross_validation"]["label/state_first/content_free"]["k"] == 2
+
+
+def test_labeled_rows_whose_strings_hold_line_separators_parse_as_one_row_each():
+    """JSON Lines end at "\\n" only: U+2028, U+2029 and U+0085 are legal, unescaped, inside a JSON string."""
+    from semif.tools.evaluate import parse_rows
+
+    state = "First line\u2028second line\u2029third line\x85fourth"
+    rows = [{"id": "a", "state": state, "question": "Which queue?", "options": [{"id": "billing"}, {"id": "shipping"}],
+             "answer": "billing"},
+            {"id": "b", "state": "Plain.", "question": "Which queue?", "options": [{"id": "billing"}, {"id": "shipping"}],
+             "answer": "shipping"}]
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    parsed = parse_rows(text, "labeled.jsonl")
+    assert [row["id"] for row in parsed] == ["a", "b"] and parsed[0]["state"] == state

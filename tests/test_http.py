@@ -158,3 +158,28 @@ def test_custom_attributes_can_force_the_contract(client):
     bad = client.post("/invocations", json=SINGLE, headers={"X-Amzn-SageMaker-Custom-Attributes": "contract=nope"})
     assert bad.status_code == 400
     assert bad.json()["error"]["field"] == "x-amzn-sagemaker-custom-attributes"
+
+
+def test_a_client_request_id_is_echoed_only_when_short_and_of_safe_characters(client, caplog):
+    """`X-Request-Id` is echoed in a header and written to every log line: an id of up to 128 characters of
+    A-Z a-z 0-9 . _ : / + = - comes back as sent; any other gets a generated id instead, on every route."""
+    import logging
+    import re
+
+    fine = "trace-" + "a1:/+=_." * 15
+    fine = fine[:128]
+    hostile = ["x" * 129, "x" * 100_000, "id with spaces", "id\u2028line", "<script>", "é"]
+    routes = [("/invocations", {"json": SINGLE}),
+              ("/v1/chat/completions", {"json": {"messages": "not a list"}}),
+              ("/invocations", {"content": b'{"decision": 1}\n', "headers": {"content-type": "application/jsonlines"}})]
+    with caplog.at_level(logging.INFO):
+        for path, request in routes:
+            headers = request.get("headers", {})
+            kept = client.post(path, **{**request, "headers": {**headers, "x-request-id": fine}})
+            assert kept.headers["x-request-id"] == fine, path
+            for value in hostile:
+                response = client.post(path, **{**request, "headers": {**headers, "x-request-id": value.encode()}})
+                assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-request-id"]), (path, value[:20])
+    assert client.get("/ping").status_code == 200
+    logged = [getattr(r, "request_id", None) for r in caplog.records]
+    assert fine in logged and not any(value in logged for value in hostile)

@@ -152,7 +152,7 @@ class _DeadlineClock:
 def test_lines_not_reached_before_the_mini_batch_deadline_are_answered_with_errors(app_with, monkeypatch):
     from semif.serving.http import jsonlines
 
-    client = app_with(batch_deadline_s=0.001)
+    client = app_with(batch_transform=True, batch_deadline_s=0.001)
     clock = _DeadlineClock()
     monkeypatch.setattr(jsonlines, "time", clock)
     # Real work on a state never seen: line 1 starts in time and the deadline passes before its question.
@@ -172,14 +172,57 @@ def test_a_record_over_the_batch_token_budget_is_refused_and_the_others_answered
     from semif.serving.contracts.base import Limits
     short = semif_line("Short ticket.")
     job = semif_contract.parse(short, Limits(255, 400))
-    # The record's own prompt: under the default debiasing a record within it but not with its content-free
-    # pass is answered without the prior (tests/test_content_free.py).
+    # The record's own prompt, without the default's content-free pass (which the budget counts too).
     budget = engine.plan(job.state_text, job.questions, debias="none").worst_case_tokens
-    client = app_with(batch_max_request_tokens=budget)
+    client = app_with(batch_transform=True, batch_max_request_tokens=budget)
     long_state = "The parcel was damaged in transit and " * 20
-    out = answer_lines(post_lines(client, [semif_line(long_state), short]))
+    out = answer_lines(post_lines(client, [{**semif_line(long_state), "debias": "none"}, {**short, "debias": "none"}]))
     assert out[0]["error"]["code"] == "token_budget_exceeded" and "SEMIF_BATCH_MAX_REQUEST_TOKENS" in out[0]["error"]["message"]
     assert out[1]["prompt"]["tokens"] == budget
+
+
+def test_on_the_real_time_route_a_record_gets_the_request_token_budget_as_the_same_json_body_does(app_with, engine):
+    """/invocations outside a Batch Transform job is the real-time route: a body refused as JSON with 413 over
+    SEMIF_MAX_REQUEST_TOKENS is refused as a JSON Lines record too (its error line names the same field), the
+    batch budget (SEMIF_BATCH_MAX_REQUEST_TOKENS, 0: none) applies only in a transform job's container."""
+    from semif.serving.contracts import semif as semif_contract
+    from semif.serving.contracts.base import Limits
+
+    short = semif_line("Short ticket.")
+    job = semif_contract.parse(short, Limits(255, 400))
+    budget = engine.plan(job.state_text, job.questions, debias="none").worst_case_tokens
+    decisions = [{"id": f"q{i}", "question": f"Which queue, point {i}?", "options": [{"id": "billing"}, {"id": "returns"}]}
+                 for i in range(8)]
+    body = {"state": TICKET, "decisions": decisions, "debias": "none"}
+    real_time = app_with(max_request_tokens=budget)
+    as_json = real_time.post("/invocations", json=body)
+    assert as_json.status_code == 413, as_json.text
+    refused = as_json.json()["error"]
+    out = answer_lines(post_lines(real_time, [body, {**short, "debias": "none"}]))
+    assert (out[0]["error"]["code"], out[0]["error"]["field"]) == ("token_budget_exceeded", refused["field"])
+    assert "SEMIF_MAX_REQUEST_TOKENS" in out[0]["error"]["message"]
+    assert out[1]["prompt"]["tokens"] == budget  # a record within the budget is answered
+    # In a Batch Transform job's container the same record has the batch budget: none by default.
+    batch = app_with(max_request_tokens=budget, batch_transform=True)
+    (answered,) = answer_lines(post_lines(batch, [body]))
+    assert [r["id"] for r in answered["results"]] == [d["id"] for d in decisions]
+
+
+def test_batch_transform_is_told_by_sagemakers_variable_or_the_models_own(model_path):
+    from semif.serving.config import Settings
+    from semif.serving.http.jsonlines import route_limits
+
+    env = {"SEMIF_MODEL_PATH": str(model_path)}
+    endpoint = Settings.from_env(env)
+    assert endpoint.batch_transform is False
+    limits = route_limits(endpoint)
+    assert (limits.deadline_s, limits.deadline_setting, limits.max_request_tokens) == (50.0, "SEMIF_REQUEST_DEADLINE_S", 65536)
+    for variables in ({"SAGEMAKER_BATCH": "true"}, {"SEMIF_BATCH_TRANSFORM": "1"}):
+        job = Settings.from_env({**env, **variables})
+        assert job.batch_transform is True, variables
+        limits = route_limits(job)
+        assert (limits.deadline_s, limits.deadline_setting, limits.max_request_tokens) == (3300.0, "SEMIF_BATCH_DEADLINE_S", None)
+    assert Settings.from_env({**env, "SAGEMAKER_BATCH": "false"}).batch_transform is False
 
 
 def test_a_mini_batch_that_cannot_be_admitted_is_refused_whole_with_503_so_sagemaker_retries(app_with):

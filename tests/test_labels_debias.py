@@ -130,7 +130,7 @@ def test_both_layouts_with_order_debiasing_and_the_injection_check_tokenize_like
     questions = [ROUTE] if layout == "options_first" else [ROUTE, IS_ACCOUNT]
     for state in STATES:
         plan = vocab.plan(state, questions, debias="reverse", layout=layout, injection_check=True)
-        parts = [part for qplan in plan.questions for part in (qplan, qplan.reversed)] + [plan.injection_check]
+        parts = [part for qplan in plan.questions for part in (qplan, qplan.reversed)] + list(plan.injection_checks)
         for part in parts:
             pieces = part.own_prefix_pieces or plan.prefix_pieces
             segments = part.own_prefix_segments or plan.prefix_segments

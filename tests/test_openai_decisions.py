@@ -54,11 +54,11 @@ def test_predicate_is_the_engines_probability_of_yes(client, engine):
 
 def test_choice_answer_lists_typed_values_in_order_with_confidence(client):
     question = {"type": "choice", "instructions": "Is the claim valid?",
-                "choices": [{"value": "true"}, {"value": True}, {"value": False}, {"value": "unsure"}]}
+                "choices": [{"value": "yes"}, {"value": True}, {"value": False}, {"value": "unsure"}]}
     answer = answers_of(decide(client, [question]))[0]
     assert answer["name"] is None
     values = [p["value"] for p in answer["probabilities"]]
-    assert values == ["true", True, False, "unsure"] and type(values[0]) is str and type(values[1]) is bool
+    assert values == ["yes", True, False, "unsure"] and type(values[0]) is str and type(values[1]) is bool
     probs = [p["probability"] for p in answer["probabilities"]]
     assert math.isclose(sum(probs), 1.0, abs_tol=1e-9)
     assert answer["choice"] == values[int(np.argmax(probs))] and type(answer["choice"]) is type(values[int(np.argmax(probs))])
@@ -147,6 +147,22 @@ def test_invalid_requests_get_400_invalid_request_error_naming_the_param(client,
     assert error["type"] == "invalid_request_error" and error["param"] == param
 
 
+@pytest.mark.parametrize("field, value", [("second_look", {"below_margin": 0.5}), ("policy", {"min_probability": 0.9}),
+                                          ("return_prompt", True), ("scoring", "sequence")])
+def test_semif_fields_are_refused_naming_the_field_never_ignored(client, field, value):
+    error = _error(decide(client, [PREDICATE], **{field: value}))
+    assert error["param"] == field and error["code"] == "unsupported_parameter"
+    per_question = _error(decide(client, [{**CHOICE, "scoring": "sequence"}]))
+    assert per_question["param"] == "questions[0].scoring"
+    assert decide(client, [PREDICATE], **{field: None}).status_code == 200  # null: absent, as for every extension
+
+
+@pytest.mark.parametrize("first, second", [("true", True), (False, "false"), ("a", "a")])
+def test_choices_that_the_prompt_shows_alike_are_refused_naming_the_second(client, first, second):
+    error = _error(decide(client, [{**CHOICE, "choices": [{"value": first}, {"value": "other"}, {"value": second}]}]))
+    assert error["param"] == "questions[0].choices[2].value" and "choices[0]" in error["message"]
+
+
 def test_unknown_model_is_a_404_model_not_found_and_the_served_name_works(client, engine):
     error = _error(client.post("/v1/decisions", json={"model": "gpt-4o", "input": INPUT, "questions": [PREDICATE]}), 404)
     assert error["code"] == "model_not_found" and error["param"] == "model"
@@ -182,14 +198,14 @@ def test_openai_sdk_decisions_create_parses_every_answer_type_from_the_live_adap
     mixed = sdk.decisions.create(
         model="gpt-6-luna",
         input=[{"role": "user", "content": INPUT}],
-        questions=[PREDICATE, CHOICE, SCORE, {"type": "choice", "instructions": "Valid?", "choices": [{"value": True}, {"value": "true"}]}],
+        questions=[PREDICATE, CHOICE, SCORE, {"type": "choice", "instructions": "Valid?", "choices": [{"value": True}, {"value": "unsure"}]}],
         prompt_cache_key="tests",
     )
     assert isinstance(singles[0].answers[0], AnswerAnswerResourcePredicate)
     assert isinstance(singles[1].answers[0], AnswerAnswerResourceChoice) and singles[1].answers[0].choice in ("billing", "technical", "sales")
     assert isinstance(singles[2].answers[0], AnswerAnswerResourceScore)
     assert [type(a) for a in mixed.answers[:3]] == [type(s.answers[0]) for s in singles]
-    assert [p.value for p in mixed.answers[3].probabilities] == [True, "true"]
+    assert [p.value for p in mixed.answers[3].probabilities] == [True, "unsure"]
     assert mixed.usage.input_tokens_details.cached_tokens + mixed.usage.input_tokens_details.cache_write_tokens > 0
     assert mixed.usage.total_tokens == mixed.usage.input_tokens and mixed.usage.output_tokens == 0
     models = sdk.models.list()

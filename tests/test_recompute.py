@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from semif.tools.recompute import FreshContext, main, recompute_logits
+from semif.tools.recompute import FreshContext, answers_of, main, recompute_logits
 
 TOLERANCE = 1e-4
 ROUTE = [{"id": "account_access", "description": "Account access support."},
@@ -48,7 +48,7 @@ CASES = {
 
 
 def _answers(body):
-    return body["results"] if "results" in body else [body]
+    return answers_of(body)  # a batch's records made whole again: its decisions share the state's segments
 
 
 def _post(client, request):
@@ -145,8 +145,9 @@ def test_the_cli_passes_an_exact_record_and_fails_a_wrong_one(client, model_path
     assert [line["id"] for line in lines] == ["queue"] and lines[0]["max_abs_diff"] <= TOLERANCE
 
     # One token of the state changed (another record, of the same length): the logits move, the CLI says so.
-    record = body["results"][0]["prompt"]["recompute"]
-    state = record["segments"][-2]["tokens"]
+    # A batch lists the state's segments once, for all its decisions, in its own `prompt`.
+    assert body["results"][0]["prompt"]["recompute"]["request_prompt_segments"] == len(body["prompt"]["segments"])
+    state = body["prompt"]["segments"][-1]["tokens"]
     middle = next(i for i in range(len(state) // 2, len(state) - 1) if state[i] != state[i + 1])
     state[middle] = state[middle + 1]
     bad = tmp_path / "wrong.json"

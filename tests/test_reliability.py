@@ -442,6 +442,31 @@ def test_a_mini_batch_whose_client_leaves_stops_scoring_its_records(start_serve)
           f"logged {stopped_s * 1000:.0f} ms after the client left")
 
 
+def test_a_mini_batch_on_the_real_time_route_stops_at_the_request_deadline_and_a_waiting_request_is_served(start_serve):
+    """JSON Lines on an endpoint's /invocations has the real-time deadline (SEMIF_REQUEST_DEADLINE_S), not the
+    batch one: one record of 400 questions (far more work than the deadline) gives the model back when it
+    passes, and a small request sent meanwhile is answered, having waited no longer than that."""
+    deadline_s, head_start_s = 10.0, 5.0  # the probe has head_start_s to compute after the record stops
+    server = _serve(start_serve, SEMIF_REQUEST_DEADLINE_S=deadline_s)
+    record = json.dumps({"state": LONG_TICKET, "decisions": MANY_QUESTIONS}).encode() + b"\n"
+    started = time.monotonic()
+    sock = _open_request(server.port, "/invocations", record, content_type="application/jsonlines")
+    time.sleep(head_start_s)  # the record holds the model
+    sent = time.monotonic()
+    probe = httpx.post(server.base_url + "/invocations", json=_decision(0), timeout=120)
+    assert probe.status_code == 200, probe.text[:300]
+    waited_s = probe.json()["timing"]["queue_ms"] / 1000
+    # Admitted once the record's deadline passed (plus the question running then, with slack for a loaded
+    # machine), not after its 400 questions; with the batch deadline it waited until its own 504.
+    assert waited_s < deadline_s - (sent - started) + 4.0, waited_s
+    batch = _read_until_closed(sock)
+    sock.close()
+    assert _status(batch) == 200, batch[:300]
+    (line,) = [json.loads(text) for text in batch.partition(b"\r\n\r\n")[2].splitlines() if text.strip()]
+    assert line["error"]["code"] == "deadline_exceeded" and "SEMIF_REQUEST_DEADLINE_S" in line["error"]["message"]
+    print(f"the probe waited {waited_s:.2f} s for the model; the record stopped at its {deadline_s:g} s deadline")
+
+
 def test_chat_stops_at_its_deadline_with_finish_reason_length_and_a_queued_decision_at_its_own(start_serve):
     chat_deadline_s = 5.0
     server = _serve(start_serve, SEMIF_CHAT_DEADLINE_S=chat_deadline_s, SEMIF_REQUEST_DEADLINE_S=1,

@@ -6,6 +6,7 @@ bad spec with a 422 naming the field. All on the embedded model through real lla
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -146,6 +147,113 @@ def test_request_deadline_ends_a_long_second_look(tmp_path, model_path, engine):
                                                   "second_look": {**ALWAYS, "max_tokens": 1024, "deadline_ms": 120_000}})
         assert response.status_code == 504, response.text
         assert client.get("/ping").status_code == 200
+
+
+# About 3,000 tokens: many batches of the engine below, so "about one batch past the deadline" and "the whole
+# state again" are far apart on any CPU.
+LONG_STATE = " ".join(f"Line {i}: the customer wrote again about invoice {1000 + i} and a damaged parcel."
+                      for i in range(170))
+# State-first, the injection check reads the state from a prefix of its own (question first), so the second
+# look finds the request's prefix gone and evaluates the state again (no prefix snapshot to restore it from).
+LOOKS_AGAIN_FROM_THE_STATE = {"decision": {**DECISION, "state": LONG_STATE}, "injection_check": True, "debias": "none"}
+SMALL_BATCH = 128
+
+
+@pytest.fixture(scope="module")
+def small_batches(model_path):
+    """An app over an engine of its own that evaluates SMALL_BATCH tokens per batch (SEMIF_N_BATCH), without
+    prefix snapshots or label memo, and a request deadline long enough for a loaded machine."""
+    import os
+
+    from starlette.testclient import TestClient
+
+    from semif.serving.engine.context import Engine
+    from semif.serving.http.app import create_app
+    from serving import make_settings
+
+    engine = Engine(model_path, n_ctx=4096, n_batch=SMALL_BATCH, n_threads=os.cpu_count() or 2, prefix_cache_mb=0,
+                    label_memo=False)
+    app = create_app(make_settings(model_path, n_batch=SMALL_BATCH, request_deadline_s=600.0), engine)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, engine
+    engine.close()
+
+
+def _timed_batches(engine, monkeypatch) -> list[float]:
+    """Seconds of each whole batch the engine decodes from now on: what a batch costs during the test."""
+    seconds: list[float] = []
+    real = engine._decode
+
+    def decode(tokens, want):
+        started = time.perf_counter()
+        rows = real(tokens, want)
+        if len(tokens) == engine.n_batch:
+            seconds.append(time.perf_counter() - started)
+        return rows
+
+    monkeypatch.setattr(engine, "_decode", decode)
+    return seconds
+
+
+def test_the_second_looks_deadline_bounds_the_state_it_evaluates_again(small_batches, monkeypatch):
+    client, engine = small_batches
+    state_tokens = engine.plan(LONG_STATE, [_question()]).state_tokens
+    assert state_tokens > 16 * engine.n_batch
+    batches = _timed_batches(engine, monkeypatch)
+    looks: list[float] = []
+    real = engine._second_look
+
+    def timed(*args):
+        started = time.perf_counter()
+        try:
+            return real(*args)
+        finally:
+            looks.append(time.perf_counter() - started)
+
+    monkeypatch.setattr(engine, "_second_look", timed)
+    deadline_s = 0.2
+    response = client.post("/v1/semif", json={**LOOKS_AGAIN_FROM_THE_STATE,
+                                              "second_look": {**ALWAYS, "max_tokens": 64, "deadline_ms": 200}})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    look = body["second_look"]
+    # Stopped in the state, between two batches: the first pass decides, and it says why.
+    assert look["stopped"] == "deadline" and look["decided_by"] == "first_pass" and look["reasoning_tokens"] == 0
+    assert 0 < look["evaluated_tokens"] < state_tokens
+    # The deadline plus the batch running when it passed (and a few more, for a loaded machine's jitter);
+    # not the state again, which is more than 16 batches.
+    one_batch_s = sorted(batches)[len(batches) // 2]
+    assert len(looks) == 1 and looks[0] < deadline_s + 4 * one_batch_s + 0.3, (looks, one_batch_s)
+    # The state stopped part-way left the context consistent: the same question again gets the same answer.
+    again = client.post("/v1/semif", json={**LOOKS_AGAIN_FROM_THE_STATE, "injection_check": False})
+    assert again.json()["probabilities"] == pytest.approx(body["probabilities"], abs=1e-4)
+    print(f"second look {looks[0] * 1000:.0f} ms with deadline_ms 200: {look['evaluated_tokens']} of the "
+          f"{state_tokens} state tokens evaluated again, {one_batch_s * 1000:.0f} ms per batch of {engine.n_batch}")
+
+
+def test_the_request_deadline_stops_the_state_the_second_look_evaluates_again(small_batches, monkeypatch):
+    client, engine = small_batches
+    batches = _timed_batches(engine, monkeypatch)
+    passed: list[float] = []
+    real = engine._second_look
+
+    def deadline_passes_as_it_starts(plan, index, prefix, first, cancel):
+        if not passed:
+            cancel.deadline = cancel.clock() - 1e-3  # the request's own deadline (SEMIF_REQUEST_DEADLINE_S)
+            passed.append(time.perf_counter())
+        return real(plan, index, prefix, first, cancel)
+
+    monkeypatch.setattr(engine, "_second_look", deadline_passes_as_it_starts)
+    response = client.post("/v1/semif", json={**LOOKS_AGAIN_FROM_THE_STATE,
+                                              "second_look": {**ALWAYS, "max_tokens": 64, "deadline_ms": 120_000}})
+    stopped_s = time.perf_counter() - passed[0]
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+    # A 504 within about a batch of the deadline, not after the state is evaluated again.
+    one_batch_s = sorted(batches)[len(batches) // 2]
+    assert stopped_s < 4 * one_batch_s + 0.3, (stopped_s, one_batch_s)
+    print(f"504 {stopped_s * 1000:.0f} ms after the deadline passed ({one_batch_s * 1000:.0f} ms per batch of "
+          f"{engine.n_batch})")
 
 
 def test_policy_asks_for_a_second_look_below_its_own_thresholds(client):

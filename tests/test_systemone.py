@@ -207,6 +207,16 @@ def test_invalid_requests_get_422_with_a_detail_list_naming_the_field(client, bo
     assert detail[0]["loc"] == loc
 
 
+@pytest.mark.parametrize("field, value", [("policy", {"min_probability": 0.9}), ("return_prompt", True),
+                                          ("scoring", "sequence")])
+def test_semif_fields_are_refused_naming_the_field_never_ignored(client, field, value):
+    detail = _detail_list(ask(client, {"q": NOUL}, **{field: value}))
+    assert detail[0]["loc"] == ["body", field] and detail[0]["type"] == "extra_forbidden"
+    per_question = _detail_list(ask(client, {"q": {**CHOICE, "scoring": "sequence"}}))
+    assert per_question[0]["loc"] == ["body", "questions", "q", "scoring"]
+    assert ask(client, {"q": NOUL}, **{field: None}).status_code == 200  # null: absent
+
+
 def test_too_many_options_is_a_422_not_an_answer(client):
     criteria = {f"Queue {i}": None for i in range(256)}
     detail = _detail_list(ask(client, {"q": {"type": "choice", "instructions": "Queue?", "criteria": criteria}}))

@@ -61,6 +61,9 @@ class Settings:
     max_options: int = 255
     max_questions: int = 400
     max_body_bytes: int = 1 << 20
+    # Bytes one JSON answer may take; past it, 413 response_too_large naming return_prompt (or the decisions).
+    # Under the 4 MB that a serverless InvokeEndpoint carries (6 MB real-time).
+    max_response_bytes: int = 4_000_000
     # Bodies being read or parsed at once may hold this many bytes in all (None: 4 × max_body_bytes);
     # past it, 503 with Retry-After before more is read (semif/serving/http/body.py).
     body_budget_bytes: Optional[int] = None
@@ -84,6 +87,9 @@ class Settings:
     # below the 3600 s invocation timeout semif-batch sets; 0 tokens = no budget beyond the context.
     batch_deadline_s: float = 3300.0
     batch_max_request_tokens: int = 0
+    # A Batch Transform job's container: only there do JSON Lines on /invocations run under the batch limits
+    # above; elsewhere /invocations is the real-time route, whatever the body (http/jsonlines.py).
+    batch_transform: bool = False
     max_jsonl_records: int = 10000  # records (lines) in one mini-batch; past it, 413 before any is parsed
     # Prompt layout when a request does not say : state_first or options_first (routing).
     # A request with several questions uses state_first whatever this says.

@@ -25,6 +25,8 @@ DEFAULT_MODEL_DIR = "/opt/ml/model"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+# What SageMaker sets in a Batch Transform job's container (docs: "Custom Inference Code with Batch Transform").
+SAGEMAKER_BATCH = "SAGEMAKER_BATCH"
 
 
 class SettingsError(ValueError):
@@ -156,6 +158,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SEMIF_REQUIRE_GPU", "bool", CONTRACT, False, default_doc="`0` (`1` on GPU variants, set by CDK)"),
     Setting("SEMIF_API_KEY_SECRET_ARN", "str", CONTRACT, strip=True),
     Setting("SEMIF_LOG_HASH_KEY_SECRET_ARN", "str", CONTRACT, strip=True),
+    Setting("SEMIF_BATCH_TRANSFORM", "bool", CONTRACT, False,
+            default_doc="`0` (`1` in a Batch Transform job: SageMaker sets `SAGEMAKER_BATCH=true`, CDK sets it too)"),
     # Secrets: the environment of a SageMaker Model is no place for them.
     Setting("SEMIF_API_KEY", "str", SECRET),
     Setting("SEMIF_LOG_HASH_KEY", "str", SECRET),
@@ -176,6 +180,7 @@ SETTINGS: tuple[Setting, ...] = (
     _op("SEMIF_MAX_OPTIONS", "int", 255, minimum=2, maximum=255),
     _op("SEMIF_MAX_QUESTIONS", "int", 400, minimum=1),
     _op("SEMIF_MAX_BODY_BYTES", "int", 1 << 20, minimum=1024),
+    _op("SEMIF_MAX_RESPONSE_BYTES", "int", 4_000_000, minimum=1024),
     _op("SEMIF_BODY_BUDGET_BYTES", "int", minimum=1, default_doc="4 × `SEMIF_MAX_BODY_BYTES`"),
     _op("SEMIF_MAX_JSON_VALUES", "int", 131072, minimum=16),
     _op("SEMIF_MAX_STATE_CHARS", "int", 2 << 20, minimum=1024),
@@ -213,6 +218,8 @@ def read_environment(env: Mapping[str, str], *, n_threads_default: int = 1) -> d
               if s.key not in ("model_path", "n_threads", "body_budget_bytes", "n_seq")
               and s.scope != SECRET and s.name not in SECRET_REFERENCES}
     values["n_threads"] = BY_KEY["n_threads"].parse(env, default=n_threads_default)
+    # SageMaker sets SAGEMAKER_BATCH=true in the container of a Batch Transform job, never on an endpoint.
+    values["batch_transform"] = values["batch_transform"] or (env.get(SAGEMAKER_BATCH) or "").strip().lower() in _TRUE
     if values["require_gpu"] and values["n_gpu_layers"] == 0:
         raise SettingsError("SEMIF_REQUIRE_GPU=1 with SEMIF_N_GPU_LAYERS=0 would never use the GPU")
     max_body_bytes = values["max_body_bytes"]

@@ -69,7 +69,8 @@ def parse_rows(text: str, path: str, limit: Optional[int] = None) -> list[dict]:
     reports case by case, by id)."""
     rows = []
     seen: dict[str, int] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
+    # JSON Lines end at "\n" only: a JSON string may hold U+2028, where str.splitlines() would split.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

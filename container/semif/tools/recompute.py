@@ -100,6 +100,9 @@ class FreshContext:
 
 def decode_record(context: FreshContext, record: dict) -> dict[int, np.ndarray]:
     """Empty the context, decode the record's segments; the logits rows at its ``logits_at`` positions."""
+    if record.get("request_prompt_segments"):
+        raise ValueError("the record lists only the segments after those its batch shares (the response's "
+                         "prompt.segments): take it from answers_of(response)")
     context.clear()
     want = set(record["logits_at"])
     rows: dict[int, np.ndarray] = {}
@@ -169,8 +172,28 @@ def recompute_logits(record: dict, model_path: str | Path, *, context: Optional[
 
 
 def answers_of(body: dict) -> list[dict]:
-    """The decisions of a SemIf response: one answer, or each of ``results``."""
-    return list(body["results"]) if "results" in body else [body]
+    """The decisions of a SemIf response: one answer, or each of ``results`` with its recompute records made
+    whole again (a batch lists the segments its decisions share once, in the response's ``prompt.segments``)."""
+    if "results" not in body:
+        return [body]
+    shared = (body.get("prompt") or {}).get("segments") or []
+    answers = []
+    for answer in body["results"]:
+        record = (answer.get("prompt") or {}).get("recompute")
+        if record:
+            answer = dict(answer, prompt=dict(answer["prompt"], recompute=whole_record(record, shared)))
+        answers.append(answer)
+    return answers
+
+
+def whole_record(record: dict, shared: list[dict]) -> dict:
+    """A recompute record from a batch, its first ``request_prompt_segments`` segments taken from ``shared``."""
+    count = record.get("request_prompt_segments", 0)
+    whole = {k: v for k, v in record.items() if k != "request_prompt_segments"}
+    whole["segments"] = list(shared[:count]) + list(record["segments"])
+    if record.get("reversed"):
+        whole["reversed"] = whole_record(record["reversed"], shared)
+    return whole
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -22,6 +22,9 @@ NAME = "openai_decisions"
 MODEL_ALIASES = ("gpt-6-luna",)
 MAX_SCORE_LEVELS = 10
 _MESSAGE_ROLES = ("user", "developer", "system", "assistant")
+# SemIf's fields that this contract does not carry: refused when sent (not null), never silently ignored.
+SEMIF_ONLY = ("second_look", "policy", "return_prompt", "scoring")
+UNSUPPORTED = "is a SemIf field that OpenAI Decisions requests do not take (send it to /v1/semif)"
 
 
 def matches(body: Any) -> bool:
@@ -147,6 +150,8 @@ def _description(q: dict, field: str) -> Optional[str]:
 def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tuple[Question, dict]:
     """(engine question, what render needs: type, name, choice values or level labels)."""
     _require(q, dict, field, "a question object")
+    if q.get("scoring") is not None:
+        raise _bad(f"{field}.scoring", UNSUPPORTED, "unsupported_parameter")
     kind = q.get("type")
     name = _optional_str(q, "name", field)
     text = _instructions(q, field, texts) if kind in ("predicate", "choice", "score") else None
@@ -157,7 +162,7 @@ def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tupl
         if not 2 <= len(choices) <= limits.max_options:
             code = "too_many_options" if len(choices) > limits.max_options else "invalid_request"
             raise _bad(f"{field}.choices", f"provide 2 to {limits.max_options} choices (got {len(choices)})", code)
-        values, outcomes, seen = [], [], set()
+        values, outcomes, seen = [], [], {}
         for i, choice in enumerate(choices):
             where = f"{field}.choices[{i}]"
             _require(choice, dict, where, "a choice object")
@@ -166,13 +171,14 @@ def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tupl
                 raise _bad(f"{where}.value", f"must be a string or a boolean, not {_type_name(value)}")
             if isinstance(value, str) and option_id_problem(value):
                 raise _bad(f"{where}.value", option_id_problem(value))
-            typed = (type(value), value)  # a string and a boolean with the same text are distinct
-            if typed in seen:
-                raise _bad(f"{where}.value", f"duplicate choice {_shown(value)}")
-            seen.add(typed)
+            # The key the prompt shows: a boolean as JSON, so true and "true" would read alike to the model.
+            key = json.dumps(value) if isinstance(value, bool) else value
+            if key in seen:
+                raise _bad(f"{where}.value", f"duplicate choice {_shown(value)}: the prompt shows it as {_shown(key)}, "
+                           f"like choices[{seen[key]}]")
+            seen[key] = i
             values.append(value)
-            outcomes.append(Outcome(json.dumps(value) if isinstance(value, bool) else value,
-                                    _description(choice, where)))
+            outcomes.append(Outcome(key, _description(choice, where)))
         return Question(text, tuple(outcomes), kind="choice"), {"type": kind, "name": name, "values": values}
     if kind == "score":
         levels = _require(q.get("levels"), list, f"{field}.levels", "an array of levels")
@@ -211,6 +217,9 @@ def parse(body: Any, limits: Limits) -> Job:
         if key not in body:
             raise _bad(key, "is required", "missing_required_parameter")
     _require(body["model"], str, "model", "a string")
+    for key in SEMIF_ONLY:
+        if body.get(key) is not None:
+            raise _bad(key, UNSUPPORTED, "unsupported_parameter")
     # Our extension: an optional record id, echoed at the top of the answer (joins batch output to input).
     record_id = body.get("id")
     if record_id is not None and (not isinstance(record_id, str) or not 1 <= len(record_id) <= 256):

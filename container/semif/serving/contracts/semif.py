@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -241,8 +242,11 @@ def parse(body: Any, limits: Limits) -> Job:
                     results[-1]["fallback"] = dist.action_fallback
         if single:
             return {"request_id": run.request_id, **results[0]}
+        # With return_prompt, what the decisions' prompts share (the state) is shown once, not once per decision.
+        shared = {"prompt": shared_prompt(results, getattr(result, "prefix_text", None))} if request.return_prompt else {}
         return {
             "request_id": run.request_id,
+            **shared,
             "results": results,
             "usage": {
                 "input_tokens": result.input_tokens,
@@ -285,6 +289,49 @@ def parse(body: Any, limits: Limits) -> Job:
             raise RequestError(422, "invalid_request", f"{exc.field}: {exc}", exc.field) from None
         job.policy = policy  # read by semif/serving/postprocess/policy.py's postprocessor
     return job
+
+
+def shared_prompt(results: list[dict], prefix_text: Optional[str]) -> dict:
+    """A batch's decisions share their state: with return_prompt, the text and the token segments that all
+    their prompts start with are moved out of the results (rewritten in place) into one block,
+    ``{"text", "segments"}``. Each prompt text (`prompt.text`, `prompt.orders.reversed.prompt_text`) keeps what
+    follows `text`; each recompute record (`prompt.recompute`, its `reversed`, `second_look.first_pass.recompute`)
+    keeps the segments that follow the first `request_prompt_segments` of `segments`. So a response grows with the
+    decisions' own prompts, never with one copy of the state per decision."""
+    texts: list[tuple[dict, str]] = []
+    records: list[tuple[dict, str]] = []
+    for entry in results:
+        prompt = entry["prompt"]
+        texts.append((prompt, "text"))
+        if prompt.get("orders"):
+            prompt["orders"] = dict(prompt["orders"], reversed=dict(prompt["orders"]["reversed"]))
+            texts.append((prompt["orders"]["reversed"], "prompt_text"))
+        if prompt.get("recompute"):
+            records.append((prompt, "recompute"))
+        first_pass = (entry.get("second_look") or {}).get("first_pass")
+        if first_pass and first_pass.get("recompute"):
+            entry["second_look"] = dict(entry["second_look"], first_pass=dict(first_pass))
+            records.append((entry["second_look"]["first_pass"], "recompute"))
+    for holder, key in records:  # copies: the engine may hand one record to several places
+        holder[key] = dict(holder[key])
+        if holder[key].get("reversed"):
+            holder[key]["reversed"] = dict(holder[key]["reversed"])
+            records.append((holder[key], "reversed"))
+    candidates = [holder[key] for holder, key in texts if holder.get(key) is not None]
+    text = os.path.commonprefix(candidates + ([prefix_text] if prefix_text is not None else [])) if candidates else ""
+    for holder, key in texts:
+        if holder.get(key) is not None:
+            holder[key] = holder[key][len(text):]
+    lists = [holder[key]["segments"] for holder, key in records]
+    # Whole segments, and never a record's last one (its question): the shared ones end where the state does.
+    count = min((len(segments) - 1 for segments in lists), default=0)
+    while count > 0 and any(segments[:count] != lists[0][:count] for segments in lists[1:]):
+        count -= 1
+    segments = lists[0][:count] if lists else []
+    for holder, key in records:
+        holder[key]["segments"] = holder[key]["segments"][count:]
+        holder[key]["request_prompt_segments"] = count
+    return {"text": text, "segments": segments}
 
 
 def _model_record(run: RunContext, scoring: str) -> dict:

@@ -208,9 +208,26 @@ def _unit(x: float) -> float:
     return min(1.0, max(0.0, float(x)))
 
 
+# SemIf's fields that this contract does not carry. Unknown fields are ignored, as the API does; these are
+# refused when sent (not null), since a client asking for them would otherwise get neither, with no sign.
+SEMIF_ONLY = ("policy", "return_prompt", "scoring")
+
+
+def _refuse_semif_fields(body: dict) -> None:
+    where = [[key] for key in SEMIF_ONLY if body.get(key) is not None]
+    questions = body.get("questions")
+    if isinstance(questions, dict):
+        where += [["questions", qid, "scoring"] for qid, q in questions.items()
+                  if isinstance(q, dict) and q.get("scoring") is not None]
+    if where:
+        raise _invalid(where[0], "a SemIf field that System One requests do not take (send it to /v1/semif)",
+                       "extra_forbidden", "unsupported_parameter")
+
+
 def parse(body: Any, limits: Limits) -> Job:
     if not isinstance(body, dict):
         raise _invalid([], "the body must be a JSON object", "model_attributes_type")
+    _refuse_semif_fields(body)
     try:
         request = SystemOneRequest.model_validate(body)
     except ValidationError as exc:

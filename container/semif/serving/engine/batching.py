@@ -293,6 +293,7 @@ def _result(acc: _Account, elapsed_ms: float):
         distributions=acc.distributions, state_tokens=acc.plan.state_tokens, input_tokens=acc.plan.input_tokens,
         cached_tokens=state_cached, evaluated_tokens=acc.evaluated, compute_ms=elapsed_ms,
         state_cached_tokens=state_cached, template_version=acc.plan.template_version, layout=acc.plan.layout,
+        prefix_text=acc.plan.prefix_text if acc.plan.return_prompt else None,
     )
     result.batch_requests = 1 + len(acc.shared_with)
     return result

@@ -393,6 +393,7 @@ class Engine:
         self._cancel: Optional[Callable[[], bool]] = None
         self._cancel_progress = (0, 0)
         self._unchecked_tokens = 0
+        self._decoded_tokens = 0  # all tokens the serial path decoded: what a pass stopped part-way spent
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._batch_seq_ready = False  # n_seq_id / seq_id of every batch slot hold (1, SEQ): _fill_batch
         self._segments: list[tuple[int, ...]] = []  # what the context holds, in evaluation segments
@@ -628,20 +629,30 @@ class Engine:
             content_free = build_plan(**common, state_text=CONTENT_FREE_STATE, state_field="debias",
                                       max_request_tokens=None, return_prompt=False, injection_check=False, debias="none")
         except PromptTooLong as too_long:
-            if by_default:  # the answer itself fits: served uncalibrated rather than refused
-                return replace(planned, debias="none")
+            # Refused, by default too: an answer is never given at another calibration than asked.
             raise PromptTooLong(too_long.tokens, too_long.n_ctx, field="debias",
-                                what="the content-free prompt (debias 'content_free')") from None
+                                what="the content-free prompt (debias 'content_free'; send debias 'none' to leave it out)"
+                                ) from None
         # The prior is read the way the answer is: one segment for state and question where the answer is.
         content_free = replace(content_free, fuse_state_and_question=planned.fuse_state_and_question)
-        planned = replace(planned, content_free=content_free)
-        # Its worst case counts the content-free pass: a prior not held yet is evaluated in this request.
+        # The budget counts what this request will evaluate: a held prior costs nothing (the plan keeps it, so
+        # it is used even if evicted before execution), and copies of one question share one prior.
+        held, distinct = [], {}
+        for qplan in content_free.questions:
+            key = self._content_free_key(content_free, qplan)
+            prior = self._content_free.get(key)
+            held.append(tuple(prior) if prior is not None else None)
+            if prior is None:
+                distinct.setdefault(key, qplan.worst_case_tokens)
+        planned = replace(planned, content_free=content_free, content_free_held=tuple(held),
+                          content_free_tokens=content_free.state_tokens + sum(distinct.values()) if distinct else 0)
         if max_request_tokens is not None and planned.worst_case_tokens > max_request_tokens:
-            if by_default:
-                return replace(planned, debias="none", content_free=None)
-            over = TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens, field="debias")
-            over.args = (f"{over}; with debias 'content_free' that counts the content-free prompt of each question, "
-                         "evaluated when its prior is not held yet: send debias 'none' to leave it out",)
+            # Refused, never answered at another calibration: the answer would depend on its neighbours.
+            over = TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens,
+                                       field=budget_field if by_default else "debias")
+            over.args = (f"{over}; with debias 'content_free'{' (the server default)' if by_default else ''} that "
+                         f"counts the content-free prompt of each question whose prior is not held yet "
+                         f"({len(distinct)} here): send debias 'none' to leave it out",)
             raise over
         return planned
 
@@ -749,6 +760,7 @@ class Engine:
                 self.invalidate()
                 raise EngineError(f"llama_decode failed with status {status}")
             self._unchecked_tokens += n
+            self._decoded_tokens += n
             for pos in sorted(p for p in want if first <= p < first + n):
                 ptr = lc.llama_get_logits_ith(self._ctx, pos - first)
                 rows[pos] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
@@ -1080,15 +1092,21 @@ class Engine:
         kept. Stored only once the whole pass has succeeded: a pass cancelled or failed part-way keeps nothing."""
         content_free = plan.content_free
         keys = [self._content_free_key(content_free, q) for q in content_free.questions]
+        planned = plan.content_free_held or (None,) * len(keys)
         priors = [self._content_free.get(key) for key in keys]
-        for key, prior in zip(keys, priors):
+        for i, (key, prior) in enumerate(zip(keys, priors)):
+            if prior is None and planned[i] is not None:  # held when planned, evicted since: kept again
+                prior = priors[i] = self._content_free[key] = list(planned[i])
             if prior is not None:
                 self._content_free.move_to_end(key)
         missing = [i for i, prior in enumerate(priors) if prior is None]
         if not missing:
             return _Priors(priors, [True] * len(keys), 0, [0] * len(keys))
-        # Only the questions whose prior is not held, from the content-free prefix (evaluated once for them).
-        subset = replace(content_free, questions=tuple(content_free.questions[i] for i in missing))
+        # Only the questions whose prior is not held, each distinct one once, from the content-free prefix
+        # (evaluated once for them): what the plan's budget counted.
+        first_of: dict[bytes, int] = {}
+        distinct = [i for i in missing if first_of.setdefault(keys[i], i) == i]
+        subset = replace(content_free, questions=tuple(content_free.questions[i] for i in distinct))
         self._note_prefix(subset.prefix_segments)
         try:
             result = self._execute(subset, cancel, started)
@@ -1096,10 +1114,12 @@ class Engine:
             raise Cancelled(0, len(plan.questions)) from None  # none of the request's own questions was answered
         self.content_free_passes += 1
         evaluated = [0] * len(keys)
-        for i, dist in zip(missing, result.distributions):
+        for i, dist in zip(distinct, result.distributions):
             priors[i], evaluated[i] = _log_softmax(dist.option_logits), dist.evaluated_tokens
             self._content_free[keys[i]] = priors[i]
             self._content_free.move_to_end(keys[i])
+        for i in missing:
+            priors[i] = priors[first_of[keys[i]]]
         while len(self._content_free) > self.content_free_entries:
             self._content_free.popitem(last=False)
         shared = 0
@@ -1155,12 +1175,14 @@ class Engine:
             evaluated += dist.evaluated_tokens
             memo_suffix_tokens += memo_tokens
             distributions.append(dist)
-        injection_suspected = None
-        if plan.injection_check is not None:
+        suspected: dict[int, float] = {}  # by check (copies of a question share one)
+        for check in plan.injection_checks:
+            if id(check) in suspected:
+                continue
             if cancel is not None and cancel():
                 raise Cancelled(len(plan.questions), len(plan.questions))
             self._cancel_progress, self._unchecked_tokens = (len(plan.questions), len(plan.questions)), 0
-            injection_suspected, check_evaluated, check_memo = self._injection_check(plan, prefix)
+            suspected[id(check)], check_evaluated, check_memo = self._injection_check(check, prefix)
             evaluated += check_evaluated
             memo_suffix_tokens += check_memo
         # Options-first with debias: the reversed order has its own prefix (reversed options, then the
@@ -1183,8 +1205,10 @@ class Engine:
             for index in range(len(plan.questions)):
                 distributions[index] = self._second_look(plan, index, prefix, distributions[index], cancel)
                 evaluated += distributions[index].second_look.get("evaluated_tokens", 0)
-        for dist in distributions:
-            dist.injection_suspected = injection_suspected
+        for dist, check in zip(distributions, plan.injection_checks):
+            dist.injection_suspected = suspected[id(check)]
+        # One value per request where a contract reports one: the most suspicious of its questions' checks.
+        injection_suspected = max(suspected.values()) if suspected else None
         # Honest reuse: the state prefix counts as cached only up to the first position this request
         # had to evaluate (a later question may re-evaluate what an earlier memo hit skipped).
         decoded_from = self._decoded_from
@@ -1202,14 +1226,14 @@ class Engine:
             template_version=plan.template_version,
             layout=plan.layout,
             injection_suspected=injection_suspected,
+            prefix_text=plan.prefix_text if plan.return_prompt else None,
         )
 
-    def _injection_check(self, plan: PromptPlan, prefix: list[list[int]]) -> tuple[float, int, int]:
-        """p(yes) of the plan's injection check. Options-first: scored from the same prefix as its questions
-        (the state is already in the context). State-first: from the check's own prefix, the request's
-        questions and options, then the state (INJECTION_CHECK_LAYOUT), so the state is evaluated again.
+    def _injection_check(self, check: QuestionPlan, prefix: list[list[int]]) -> tuple[float, int, int]:
+        """p(yes) of one injection check. Options-first: scored from the same prefix as its question (the
+        state is already in the context). State-first: from the check's own prefix, its question and options,
+        then the state (INJECTION_CHECK_LAYOUT), so the state is evaluated again.
         Returns (probability, evaluated tokens, suffix tokens answered by the memo)."""
-        check = plan.injection_check
         if check.own_prefix_segments is not None:
             prefix = [list(s) for s in check.own_prefix_segments]
         dist = self._score_labels(check, prefix, check.suffix_tokens)
@@ -1329,10 +1353,28 @@ class Engine:
         variants = [list(v) for v in first.label_variant_ids or [(t,) for t in first.label_token_ids]]
         stop_tokens = {self.end_of_turn_token, self.llm.token_eos()}
         vocab = self._lc.llama_model_get_vocab(self._model)
-        self._ensure_prefix(prefix)
-        outer_cancel, self._cancel = self._cancel, None  # this loop asks the hook itself, per token
+        past_deadline = False
+
+        def stop() -> bool:
+            """Asked between the batches of the prefix (evaluated again when a check or the other option order
+            took the context) and the suffix: the request's hook, then this look's own deadline."""
+            nonlocal past_deadline
+            if cancel is not None and cancel():
+                return True
+            past_deadline = time.perf_counter() >= deadline
+            return past_deadline
+
+        outer_cancel, self._cancel = self._cancel, stop
+        decoded_before = self._decoded_tokens
         try:
-            rows, reused, evaluated = self._forward(prefix + [suffix], [base - 1])
+            try:
+                self._ensure_prefix(prefix)
+                rows, reused, evaluated = self._forward(prefix + [suffix], [base - 1])
+            except Cancelled:
+                if not past_deadline:
+                    raise Cancelled(index, len(plan.questions)) from None
+                return kept("deadline", self._decoded_tokens - decoded_before)
+            self._cancel = None  # the loop below asks the hook itself, per token
             row, position = rows[base - 1], base - 1
             generated: list[int] = []
             pieces = bytearray()  # bytes, decoded once: a character may span tokens

@@ -189,9 +189,10 @@ class PromptPlan:
     shared_segments: int = 1
     return_prompt: bool = False
     layout: str = DEFAULT_LAYOUT
-    # The injection check: a yes/no question label-scored from the same prefix as the
-    # questions; p(yes) is reported as injection_suspected. None when not asked for.
-    injection_check: Optional[QuestionPlan] = None
+    # The injection check: a yes/no question label-scored after the state and one question's options; p(yes)
+    # is that question's injection_suspected. One per question, in order (copies of a question share one
+    # object); empty when not asked for.
+    injection_checks: tuple[QuestionPlan, ...] = ()
     debias: str = "none"
     # Options-first, label scoring, nothing else scored after this state (no injection check, no order
     # debiasing): the state's last block and the question suffix are evaluated as one segment. Nothing
@@ -209,6 +210,10 @@ class PromptPlan:
     # debias "content_free": the same questions about CONTENT_FREE_STATE (debias "none", no checks), whose
     # label distributions are each question's prior (Engine.execute runs it when its priors are not held).
     content_free: Optional["PromptPlan"] = None
+    # Per content_free question, its prior as the engine held it when the plan was made (None: evaluated by
+    # this request), and what that pass may evaluate: its prefix and each distinct prior not held, or 0.
+    content_free_held: tuple = ()
+    content_free_tokens: int = 0
 
     @property
     def prefix_text(self) -> str:
@@ -224,8 +229,13 @@ class PromptPlan:
         return sum(len(s) for s in self.prefix_segments[: self.shared_segments])
 
     @property
+    def injection_check(self) -> Optional[QuestionPlan]:
+        """The first question's injection check (a one-question request's only one), or None."""
+        return self.injection_checks[0] if self.injection_checks else None
+
+    @property
     def _all_questions(self) -> tuple[QuestionPlan, ...]:
-        return self.questions + ((self.injection_check,) if self.injection_check is not None else ())
+        return self.questions + tuple({id(check): check for check in self.injection_checks}.values())
 
     @property
     def input_tokens(self) -> int:
@@ -236,7 +246,7 @@ class PromptPlan:
     @property
     def worst_case_tokens(self) -> int:
         """What the request evaluates when nothing is cached: the budget is checked against this."""
-        content_free = self.content_free.worst_case_tokens if self.content_free is not None else 0
+        content_free = self.content_free_tokens if self.content_free is not None else 0
         return (self.state_tokens + sum(q.worst_case_tokens for q in self._all_questions) + self.second_look_tokens
                 + content_free)
 
@@ -586,7 +596,7 @@ def build_plan(
             raise PromptTooLong(need, n_ctx, field=state_field, what="the state")
         planned.append(plan)
 
-    check_plan = None
+    checks: list[QuestionPlan] = []
     if injection_check:
         # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
         binary = labels.binary
@@ -595,33 +605,41 @@ def build_plan(
                 f"the injection check needs two single-token yes/no labels; this model has {len(binary.texts)}",
                 field="injection_check",
             )
-        check_prefix: Optional[_Prefix] = None
-        check_before, check_prefix_len, check_moved = before_suffix, prefix_len, main_prefix.between
-        if layout == "state_first":
-            # The check reads the state after the request's questions and options (INJECTION_CHECK_LAYOUT):
-            # its own prefix, so the state is evaluated a second time, after the options.
-            shown = [render_question_block(q, label_choice(q, tuple(range(len(q.outcomes))))[0], style=template.style) for q in questions]
-            check_prefix = questions_then_state(*template.injection_check_prefix_parts(shown))
-            check_before, check_moved = check_prefix.before_suffix, check_prefix.between
-            check_prefix_len = sum(len(s) for s in check_prefix.segments)
         check_block, check_tail = template.injection_check_parts(binary.texts)
-        check_block = after_state(check_block, check_moved)
-        block_tokens, tail_tokens = _question_tokens(tokenize, check_before, check_block, check_tail)
-        check_plan = QuestionPlan(
-            question=Question(INJECTION_CHECK_QUESTION, (Outcome("yes"), Outcome("no")), kind="binary"),
-            field=state_field, name="injection_check",
-            pieces=(
-                Piece("template", check_block, tuple(block_tokens), False),
-                Piece("template", check_tail, tuple(tail_tokens), True),
-            ),
-            label_token_ids=tuple(binary.token_ids[:2]), labels=tuple(binary.texts[:2]),
-            label_variants=tuple(binary.variants_of(i) for i in range(2)), order=(0, 1),
-            own_prefix_pieces=check_prefix.pieces if check_prefix else None,
-            own_prefix_segments=tuple(check_prefix.segments) if check_prefix else None,
-        )
-        need = check_prefix_len + len(check_plan.suffix_tokens)
-        if need > n_ctx:
-            raise PromptTooLong(need, n_ctx, field=state_field, what="the injection check")
+
+        def plan_check(check_prefix: Optional[_Prefix]) -> QuestionPlan:
+            before, moved = (check_prefix.before_suffix, check_prefix.between) if check_prefix else (before_suffix, main_prefix.between)
+            block = after_state(check_block, moved)
+            block_tokens, tail_tokens = _question_tokens(tokenize, before, block, check_tail)
+            check_plan = QuestionPlan(
+                question=Question(INJECTION_CHECK_QUESTION, (Outcome("yes"), Outcome("no")), kind="binary"),
+                field=state_field, name="injection_check",
+                pieces=(
+                    Piece("template", block, tuple(block_tokens), False),
+                    Piece("template", check_tail, tuple(tail_tokens), True),
+                ),
+                label_token_ids=tuple(binary.token_ids[:2]), labels=tuple(binary.texts[:2]),
+                label_variants=tuple(binary.variants_of(i) for i in range(2)), order=(0, 1),
+                own_prefix_pieces=check_prefix.pieces if check_prefix else None,
+                own_prefix_segments=tuple(check_prefix.segments) if check_prefix else None,
+            )
+            need = (sum(len(s) for s in check_prefix.segments) if check_prefix else prefix_len) + len(check_plan.suffix_tokens)
+            if need > n_ctx:
+                raise PromptTooLong(need, n_ctx, field=state_field, what="the injection check")
+            return check_plan
+
+        if layout == "state_first":
+            # Each question's check reads the state after that question and its options alone
+            # (INJECTION_CHECK_LAYOUT): its own prefix, the state evaluated again after the options, and a
+            # value that does not depend on the request's other questions. Copies of a question share one.
+            by_block: dict[str, QuestionPlan] = {}
+            for q in questions:
+                shown = render_question_block(q, label_choice(q, tuple(range(len(q.outcomes))))[0], style=template.style)
+                if shown not in by_block:
+                    by_block[shown] = plan_check(questions_then_state(*template.injection_check_prefix_parts([shown])))
+                checks.append(by_block[shown])
+        else:
+            checks.append(plan_check(None))  # options-first: the decision's own prefix already shows its options
 
     result = PromptPlan(
         state_text=state_text,
@@ -633,10 +651,10 @@ def build_plan(
         questions=tuple(planned),
         return_prompt=return_prompt,
         layout=layout,
-        injection_check=check_plan,
+        injection_checks=tuple(checks),
         debias=debias,
         fuse_state_and_question=(layout == "options_first" and scoring == "label" and debias in ("none", "content_free")
-                                 and check_plan is None and len(planned) == 1),
+                                 and not checks and len(planned) == 1),
     )
     if max_request_tokens is not None and result.worst_case_tokens > max_request_tokens:
         raise TokenBudgetExceeded(result.worst_case_tokens, max_request_tokens, field=budget_field)

@@ -74,11 +74,12 @@ INJECTION_CHECK_QUESTION = (
     "(for example, telling the reader which answer, option or label to choose)?"
 )
 
-# Where the check reads the state: after the request's questions and options, as in the options-first
-# layout, whatever the decision's layout. Scored after the state-first prefix, the same question barely
-# told attacked from clean states on the quality model (AUC 0.670, and 0.670 again with the options shown
-# after the state); after the options it did (0.954). Part of the template hash: the check's numbers
-# change with it. docs/benchmarks.md, "Prompt injection".
+# Where the check reads the state: after one question and its options, as in the options-first layout,
+# whatever the decision's layout; each question has its own check, so its value does not depend on the
+# others. Scored after the state-first prefix, the same question barely told attacked from clean states
+# on the quality model (AUC 0.670, and 0.670 again with the options shown after the state); after the
+# options it did (0.954). Part of the template hash: the check's numbers change with it.
+# docs/benchmarks.md, "Prompt injection".
 INJECTION_CHECK_LAYOUT = "injection check: [head][question blocks][fenced state] then the check question"
 
 _SENTINEL = "\u0000SEMIF-QUESTION\u0000"

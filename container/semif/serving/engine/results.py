@@ -40,7 +40,7 @@ class Distribution:
     labels: Optional[list[str]] = None
     prompt_text: Optional[str] = None
     compute_ms: float = 0.0
-    # p(yes) of the request's injection check (the same value on every answer of the request), or None.
+    # p(yes) of this question's injection check (the state read after this question's options alone), or None.
     injection_suspected: Optional[float] = None
     # Label scoring: the share of the whole next-token distribution that falls on the option labels
     # (all their variants). Low mass: the model wanted to write something else (an abstention signal).
@@ -80,8 +80,11 @@ class ScoreResult:
     state_cached_tokens: int = 0  # of the state prefix, tokens reused from earlier requests
     template_version: str = TEMPLATE_VERSION  # what the plan ran: names the layout (e.g. "+options-first")
     layout: str = "state_first"
-    injection_suspected: Optional[float] = None  # p(yes) of the injection check, when the plan had one
+    injection_suspected: Optional[float] = None  # the highest of the answers' injection_suspected, when checked
     batch_requests: int = 1  # requests that shared a decode with this one, itself included (batching.py)
+    # With return_prompt: the plan's shared prefix (the system block and, state first, the state), which every
+    # question's prompt_text starts with; a contract can show it once per request.
+    prefix_text: Optional[str] = None
 
 
 def softmax(logits: Sequence[float]) -> list[float]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from typing import Any, Callable, Optional
 
 from starlette.applications import Starlette
@@ -19,7 +18,8 @@ from . import chat, jsonlines
 from .admission import Abandoned, Admission, Cancellation, Overloaded
 from .auth import BearerAuth
 from .disconnect import watching
-from .headers import SAGEMAKER_ATTRIBUTES, custom_attribute
+from .headers import SAGEMAKER_ATTRIBUTES, custom_attribute, request_id_of
+from .responses import json_answer
 from .body import MAX_JSON_DEPTH, BodyBudget, BodyBudgetExceeded, read_json  # noqa: F401 (MAX_JSON_DEPTH: re-exported)
 from ..config import Settings
 from ..contracts import semif as semif_contract
@@ -113,7 +113,7 @@ class DecisionService:
 
     async def handle(self, request: Request, contract=None) -> Response:
         started = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or request.headers.get("x-amzn-requestid") or uuid.uuid4().hex
+        request_id = request_id_of(request.headers)
         fields: dict[str, Any] = {"request_id": request_id, "route": request.url.path}
         job: Optional[Job] = None
         headers = {"x-request-id": request_id}
@@ -193,7 +193,10 @@ class DecisionService:
             fields.update(policy_log_fields(result))
             if result.injection_suspected is not None:
                 fields["injection_suspected"] = round(result.injection_suspected, 6)
-            return JSONResponse(payload, status_code=200, headers=headers)
+            response = await json_answer(payload, headers=headers, max_bytes=self.settings.max_response_bytes,
+                                         field="return_prompt" if job.return_prompt else job.budget_field)
+            fields["response_bytes"] = len(response.body)
+            return response
         except RequestError as error:
             fields.update(status=error.status, error_code=error.code, error_field=error.field)
             if isinstance(error, BodyBudgetExceeded):
@@ -246,8 +249,7 @@ class DecisionService:
             log.info("request", extra=fields)
 
     async def answer_record(self, body: Any, contract, *, request_id: str, cancel: Cancellation,
-                            max_request_tokens: Optional[int] = None, deadline_s: Optional[float] = None,
-                            ) -> tuple[int, dict, dict]:
+                            limits: "jsonlines.RouteLimits") -> tuple[int, dict, dict]:
         """One record of a JSON Lines mini-batch (semif/serving/http/jsonlines.py), on the same path as a JSON request:
         parse, plan off the model thread (fencing, tokens, length and budget checks), admission, execute with
         ``cancel`` checked between questions, render. Returns (status, the answer or the contract's error body,
@@ -263,12 +265,12 @@ class DecisionService:
                     engine.plan, job.state_text, job.questions, scoring=job.scoring, return_prompt=job.return_prompt,
                     state_field=job.state_field, question_fields=job.question_fields,
                     question_names=job.question_names, budget_field=job.budget_field,
-                    max_request_tokens=max_request_tokens, **self.prompt_options(job),
+                    max_request_tokens=limits.max_request_tokens, **self.prompt_options(job),
                     debias=job.debias, default_debias=self.settings.debias,
                 )
             except TokenBudgetExceeded as over:
-                raise RequestError(413, over.code, f"the record may evaluate up to {over.tokens} tokens; a batch record "
-                                   f"may use {over.budget} (SEMIF_BATCH_MAX_REQUEST_TOKENS)", over.field,
+                raise RequestError(413, over.code, f"the record may evaluate up to {over.tokens} tokens; a record "
+                                   f"may use {over.budget} ({limits.budget_setting})", over.field,
                                    {"tokens": over.tokens, "budget": over.budget}) from None
             try:
                 result, admitted = await self.run_plan(plan, cancel)
@@ -278,8 +280,8 @@ class DecisionService:
                     raise ClientDisconnect() from None
                 raise RequestError(
                     504, "deadline_exceeded",
-                    f"the record did not finish within the mini-batch deadline of {deadline_s:g} s "
-                    f"(SEMIF_BATCH_DEADLINE_S; {stopped}); resubmit it", None,
+                    f"the record did not finish within the mini-batch deadline of {limits.deadline_s:g} s "
+                    f"({limits.deadline_setting}; {stopped}); resubmit it", None,
                 ) from None
             for post in self.postprocessors:
                 post(job, result)

@@ -18,13 +18,13 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from typing import Any, Callable, Literal, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..contracts.base import RequestError, first_validation_error
+from .headers import request_id_of
 
 NAME = "chat"
 log = logging.getLogger("semif.http")
@@ -301,7 +301,7 @@ async def handle(service, request, body: Any = None) -> Any:
     from .disconnect import watching
 
     started = time.perf_counter()
-    request_id = request.headers.get("x-request-id") or request.headers.get("x-amzn-requestid") or uuid.uuid4().hex
+    request_id = request_id_of(request.headers)
     headers = {"x-request-id": request_id}
     fields: dict[str, Any] = {"request_id": request_id, "route": request.url.path, "contract": NAME}
     engine = service.engine

@@ -7,8 +7,12 @@ contract's error shape (plus the record's `id` where one is known; messages name
 mini-batch). One bad line never fails the others. Records run one after another on the one context, so
 consecutive lines that share a state reuse its prefix exactly as the questions of one request do.
 
-A mini-batch has a deadline (`SEMIF_BATCH_DEADLINE_S`): lines not started by then are answered with a
-`deadline_exceeded` error object each, never dropped. Only a refusal to compute at all (queue full,
+One set of limits per route. In a Batch Transform job's container (`SEMIF_BATCH_TRANSFORM`, which
+`SAGEMAKER_BATCH=true` implies) a mini-batch has the batch deadline (`SEMIF_BATCH_DEADLINE_S`) and each record
+the batch token budget (`SEMIF_BATCH_MAX_REQUEST_TOKENS`). Anywhere else `/invocations` is the real-time route:
+the mini-batch as a whole has the request deadline (`SEMIF_REQUEST_DEADLINE_S`) and each record the request
+token budget (`SEMIF_MAX_REQUEST_TOKENS`), as a JSON request does. Lines not started by the deadline are
+answered with a `deadline_exceeded` error object each, never dropped. Only a refusal to compute at all (queue full,
 shutting down) fails the whole mini-batch with 503, so that Batch Transform retries it. A client that
 goes away stops the mini-batch before its next question: nobody would read the rest (logged as 499 with
 the lines answered).
@@ -20,8 +24,8 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from starlette.requests import ClientDisconnect, Request
@@ -30,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 from . import chat
 from .admission import Cancellation, Overloaded
 from .body import DEFAULT_MAX_JSON_VALUES, parse_json, read_bytes
+from .headers import request_id_of
 from ..contracts import semif as semif_contract
 from ..contracts.base import RequestError
 from ..engine.context import EngineError, LabelError, PlanError, PromptTooLong, TokenBudgetExceeded
@@ -41,6 +46,26 @@ MEDIA_TYPE = "application/jsonlines"
 MIB = 1 << 20
 PARSE_CHUNK_BYTES = 64 << 10  # bytes of lines (newlines included) parsed per trip to the worker thread
 YIELD_EVERY = 64  # lines answered between two turns of the event loop to the other requests
+
+
+@dataclass(frozen=True)
+class RouteLimits:
+    """The deadline of a mini-batch and the token budget of each of its records, with the settings that set them."""
+
+    deadline_s: float
+    deadline_setting: str
+    max_request_tokens: Optional[int]  # None: no budget beyond the context
+    budget_setting: str
+
+
+def route_limits(settings) -> RouteLimits:
+    """Batch Transform's limits in its own container; the real-time route's everywhere else, so that a JSON Lines
+    body sent to an endpoint gets no more time or tokens than the same records sent as JSON."""
+    if settings.batch_transform:
+        return RouteLimits(settings.batch_deadline_s, "SEMIF_BATCH_DEADLINE_S",
+                           settings.batch_max_request_tokens or None, "SEMIF_BATCH_MAX_REQUEST_TOKENS")
+    return RouteLimits(settings.request_deadline_s, "SEMIF_REQUEST_DEADLINE_S",
+                       settings.max_request_tokens, "SEMIF_MAX_REQUEST_TOKENS")
 
 
 def is_json_lines(content_type: Optional[str]) -> bool:
@@ -174,9 +199,11 @@ def split_lines(raw: bytes) -> list[bytes]:
 
 
 async def _answer_lines(service, lines: list[bytes], override: Optional[str], cancel: Cancellation, *,
-                        request_id: str, out: list, errors: Counter, totals: Counter) -> None:
+                        request_id: str, out: list, errors: Counter, totals: Counter,
+                        limits: Optional[RouteLimits] = None) -> None:
     """Answer the lines in order into ``out``. Raises ClientDisconnect as soon as the client is gone."""
     settings = service.settings
+    limits = limits or route_limits(settings)
     records = Records(lines, settings.max_json_values)
     for index in range(len(lines)):
         if index % YIELD_EVERY == YIELD_EVERY - 1:
@@ -199,12 +226,10 @@ async def _answer_lines(service, lines: list[bytes], override: Optional[str], ca
             contract = found
             if cancel.expired():
                 raise RequestError(504, "deadline_exceeded", f"line {number} was not reached within the mini-batch "
-                                   f"deadline of {settings.batch_deadline_s:g} s (SEMIF_BATCH_DEADLINE_S); "
+                                   f"deadline of {limits.deadline_s:g} s ({limits.deadline_setting}); "
                                    "resubmit it", "<line>")
             status_of_line, answer, record_fields = await service.answer_record(
-                body, contract, request_id=f"{request_id}:{number}",
-                max_request_tokens=settings.batch_max_request_tokens or None,
-                cancel=cancel, deadline_s=settings.batch_deadline_s)
+                body, contract, request_id=f"{request_id}:{number}", cancel=cancel, limits=limits)
             if status_of_line != 200:
                 errors[record_fields.get("error_code", "error")] += 1
                 answer = dict(answer)
@@ -223,8 +248,9 @@ async def handle(service, request: Request) -> Response:
     """Answer one mini-batch: one line out per line in, in order."""
     settings = service.settings
     started = time.perf_counter()
-    cancel = Cancellation(time.monotonic() + settings.batch_deadline_s, clock=time.monotonic)
-    request_id = request.headers.get("x-request-id") or request.headers.get("x-amzn-requestid") or uuid.uuid4().hex
+    limits = route_limits(settings)
+    cancel = Cancellation(time.monotonic() + limits.deadline_s, clock=time.monotonic)
+    request_id = request_id_of(request.headers)
     headers = {"x-request-id": request_id}
     fields: dict[str, Any] = {"request_id": request_id, "route": request.url.path, "contract": "jsonlines",
                               "content_type": MEDIA_TYPE}
@@ -254,8 +280,8 @@ async def handle(service, request: Request) -> Response:
         del raw
         fields["records"] = len(lines)
         async with watching(request, cancel):
-            await _answer_lines(service, lines, override, cancel, request_id=request_id, out=out, errors=errors,
-                                totals=totals)
+            await _answer_lines(service, lines, override, cancel, limits=limits, request_id=request_id, out=out,
+                                errors=errors, totals=totals)
         fields.update(answered=len(lines) - sum(errors.values()), errors=dict(errors),
                       deadline_exceeded=errors.get("deadline_exceeded", 0), **totals)
     except Overloaded as error:

@@ -1,0 +1,107 @@
+"""Answers are bounded: with `return_prompt` a batch shows its state once (its decisions' prompts share it), an
+answer over SEMIF_MAX_RESPONSE_BYTES is refused with 413 naming `return_prompt`, and answers are serialised
+off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serving import make_settings
+
+STATE = " ".join(f"Note {k}: the parcel for order {4000 + k} left the depot on day {k} and has not arrived."
+                 for k in range(50))  # about 1,400 tokens: the state dominates every prompt
+OPTIONS = [{"id": "billing"}, {"id": "shipping"}, {"id": "returns"}]
+
+
+def _decisions(n: int) -> list[dict]:
+    return [{"id": f"d{i}", "question": f"Question {i}: which queue should handle this?", "options": OPTIONS}
+            for i in range(n)]
+
+
+def _batch(n: int, state: str = STATE, **extra) -> dict:
+    return {"state": state, "decisions": _decisions(n), "return_prompt": True, "debias": "none", **extra}
+
+
+def _post(client, body):
+    response = client.post("/v1/semif", json=body)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_return_prompt_shows_the_state_once_and_grows_with_each_decisions_own_prompt(client):
+    sizes = {}
+    for state in (STATE, "Short."):
+        for n in (1, 4, 10):
+            response = _post(client, _batch(n, state))
+            assert response.text.count(state) == 1, n  # the state's text, once per answer
+            body = response.json()
+            shared = body["prompt"]["segments"]
+            assert sum(len(s["tokens"]) for s in shared) == body["usage"]["state_tokens"]  # the state's tokens, once
+            for result in body["results"]:
+                record = result["prompt"]["recompute"]
+                assert record["request_prompt_segments"] == len(shared)
+                assert state not in result["prompt"]["text"]
+            sizes[len(state), n] = len(response.content)
+    per_decision = {chars: ((sizes[chars, 4] - sizes[chars, 1]) / 3, (sizes[chars, 10] - sizes[chars, 4]) / 6)
+                    for chars in (len(STATE), len("Short."))}
+    print(f"answer bytes: {sizes}; per added decision: {per_decision}")
+    for first, then in per_decision.values():
+        assert then == pytest.approx(first, rel=0.05)  # linear in the decisions
+    # What a decision adds is its own prompt, whatever the state's length.
+    assert per_decision[len(STATE)][1] == pytest.approx(per_decision[len("Short.")][1], rel=0.05)
+
+
+def test_each_decisions_prompt_is_the_shared_text_and_its_own_as_one_decision_would_show_it(client):
+    from semif.tools.recompute import answers_of
+
+    state = STATE[:400]
+    body = _post(client, _batch(2, state, debias="reverse")).json()
+    for decision, result, whole in zip(_decisions(2), body["results"], answers_of(body)):
+        single = _post(client, {"decision": {**decision, "state": state}, "return_prompt": True, "debias": "reverse"}).json()
+        assert body["prompt"]["text"] + result["prompt"]["text"] == single["prompt"]["text"]
+        reversed_text = result["prompt"]["orders"]["reversed"]["prompt_text"]
+        assert body["prompt"]["text"] + reversed_text == single["prompt"]["orders"]["reversed"]["prompt_text"]
+        assert whole["prompt"]["recompute"] == single["prompt"]["recompute"]  # made whole again: the same record
+
+
+@pytest.fixture(scope="module")
+def capped(engine):
+    from starlette.testclient import TestClient
+
+    from semif.serving.http.app import create_app
+
+    with TestClient(create_app(make_settings(engine.model_path, max_response_bytes=20_000), engine),
+                    raise_server_exceptions=False) as http:
+        yield http
+
+
+def test_an_answer_over_the_cap_is_a_413_naming_return_prompt_and_the_server_keeps_serving(capped):
+    refused = capped.post("/v1/semif", json=_batch(10))
+    assert refused.status_code == 413, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "response_too_large" and error["field"] == "return_prompt"
+    assert "SEMIF_MAX_RESPONSE_BYTES" in error["message"]
+    assert capped.get("/ping").status_code == 200
+    assert capped.post("/v1/semif", json={**_batch(10), "return_prompt": False}).status_code == 200
+    assert capped.post("/v1/semif", json=_batch(1)).status_code == 200
+
+
+def test_answers_are_serialised_off_the_event_loop(client, monkeypatch):
+    from semif.serving.http import responses
+
+    threads = []
+    serialise = responses.json_bytes
+
+    def recording(payload):
+        try:
+            asyncio.get_running_loop()
+            threads.append("event loop")
+        except RuntimeError:
+            threads.append("worker")
+        return serialise(payload)
+
+    monkeypatch.setattr(responses, "json_bytes", recording)
+    _post(client, _batch(2))
+    assert threads == ["worker"]
