@@ -33,12 +33,13 @@ from constructs_lib.image_build import default_build_specs, image_repository_nam
 from constructs_lib.image_sources import PLACEHOLDER_DIGEST, dlc_image_uri
 from constructs_lib.model_bucket import model_bucket_name
 from constructs_lib.model_check import manifest_key
-from constructs_lib.serving_endpoint import target_concurrency
-from stacks.decision_stack import DecisionStack
+from constructs_lib.serving_endpoint import model_role_name, target_concurrency
+from stacks.decision_stack import DEFAULT_CPU_BATCH_INSTANCE_TYPE, DecisionStack
 from stacks.image_stack import ImageStack
 from stacks.pipeline_stack import (PIPELINE_CHECK_ROLE_NAME, PipelineStack, PipelineStageSpec, StageStacks,
                                    stage_stack_synthesizer)
-from stacks.release_checks import MODEL_KEY_OUTPUT, LoadPlan, ReleaseCheckAccess, gate_and_load_checks, promote_check
+from stacks.release_checks import (MODEL_KEY_OUTPUT, BaselinePlace, LoadPlan, ReleaseCheckAccess, baseline_key,
+                                   gate_and_load_checks, promote_check)
 from stacks.shared_stack import SharedStack, pipeline_check_role_name
 from stacks.text_stack import TextStack
 
@@ -100,6 +101,13 @@ def image_repository_arn(settings: AppSettings) -> str:
     return f"arn:aws:ecr:{pipeline.region}:{pipeline.account}:repository/{image_repository_name()}"
 
 
+def image_pull_roles(env: EnvironmentSettings) -> tuple[str, str]:
+    """The roles that pull the adapter image in ``env``: the decision endpoint's execution role and the Batch Transform
+    role, by the fixed names its decision stack gives them."""
+    return tuple(f"arn:aws:iam::{env.account}:role/{model_role_name(env.name, env.decision.endpoint_name, kind)}"
+                 for kind in ("endpoint", "transform"))
+
+
 def environment_repository_arn(env: EnvironmentSettings) -> str:
     """One environment's own repository (its ImageStack), when it is deployed from its own account."""
     return f"arn:aws:ecr:{env.region}:{env.account}:repository/{image_repository_name(env.name)}"
@@ -115,7 +123,8 @@ def pipeline_check_principal(settings: AppSettings, env: EnvironmentSettings) ->
 
 def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: AppSettings, aws_env: Optional[Environment],
                     adapter_image_digest: str, dlc_digest: str, image_repository: str,
-                    image_lookup: Optional[str] = None, synthesizer=None) -> EnvironmentStacks:
+                    batch_image_digest: Optional[str] = None, image_lookup: Optional[str] = None,
+                    synthesizer=None) -> EnvironmentStacks:
     """Add one environment's stacks to ``scope`` (the app, or a pipeline stage): the same stacks on both paths, but
     for where the adapter image comes from (``image_repository``, an ECR repository ARN) and the DLC digest of the
     chat endpoint (``dlc_digest``)."""
@@ -131,7 +140,8 @@ def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: App
                          alarm_email=env.alarm_email, removal_policy=removal,
                          pipeline_check_principal_arn=pipeline_check_principal(settings, env), endpoint_names=endpoint_names,
                          check_reads=access.reads if access else (), check_writes=access.writes if access else (),
-                         check_lists=access.lists if access else (), check_describes_endpoint_configs=access is not None,
+                         check_lists=access.lists if access else (),
+                         check_describes_endpoint_configs=access is not None and env.release_checks is not None,
                          description=f"SemIf {env.name}: model bucket, alarm topic and the pipeline's check role")
     alarms = env.decision.alarms
     decision = DecisionStack(
@@ -144,6 +154,9 @@ def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: App
         alarm_thresholds=_thresholds(alarms, overload_503_per_5min=alarms.overload_503_per_5min),
         low_margin_threshold=alarms.low_margin_threshold, log_retention=retention, removal_policy=removal,
         placeholder_lookup=image_lookup,
+        # Batch Transform runs the CPU image on a CPU instance (stacks/decision_stack.py says why).
+        batch_image_digest=batch_image_digest,
+        batch_instance_type=None if env.variant == "cpu" else DEFAULT_CPU_BATCH_INSTANCE_TYPE,
     )
     text = None
     if env.text is not None:
@@ -168,10 +181,24 @@ def add_environment(scope: Construct, env: EnvironmentSettings, *, settings: App
 def release_check_access(env: EnvironmentSettings, settings: AppSettings) -> Optional[ReleaseCheckAccess]:
     """What the environment's check role needs for its release checks (none without them); the same in a hand
     deploy and in the pipeline, so neither removes what the other granted."""
-    if env.release_checks is None or settings.pipeline is None:
+    if settings.pipeline is None:
         return None
-    return ReleaseCheckAccess.for_stage(data_key=env.release_checks.data_key, stage=env.name,
-                                        baseline_stage=baseline_stage(settings.pipeline, settings.environments, env.name))
+    grants = []
+    if env.release_checks is not None:
+        grants.append(ReleaseCheckAccess.for_stage(data_key=env.release_checks.data_key, stage=env.name))
+    if any(baseline_stage(settings.pipeline, settings.environments, name) == env.name
+           for name in settings.pipeline.stages if settings.environments[name].release_checks is not None):
+        grants.append(ReleaseCheckAccess.for_baseline(baseline_stage=env.name))
+    return sum(grants[1:], grants[0]) if grants else None
+
+
+def baseline_place(settings: AppSettings, gated: EnvironmentSettings) -> BaselinePlace:
+    """Where ``gated``'s baseline lives: in the bucket of the stage it is compared with (prod), which is kept."""
+    name = baseline_stage(settings.pipeline, settings.environments, gated.name)
+    kept = settings.environments[name]
+    return BaselinePlace(bucket=model_bucket_name(settings.project, name, kept.account, kept.region),
+                         key=baseline_key(name), role_arn=f"arn:aws:iam::{kept.account}:role/{pipeline_check_role_name(name)}",
+                         region=kept.region, endpoint_name=kept.decision.endpoint_name)
 
 
 def release_checks(env: EnvironmentSettings, settings: AppSettings) -> list:
@@ -183,8 +210,7 @@ def release_checks(env: EnvironmentSettings, settings: AppSettings) -> list:
         load = rc.load
         checks += gate_and_load_checks(
             model_bucket=model_bucket_name(settings.project, env.name, env.account, env.region), data_key=rc.data_key,
-            endpoint_name=env.decision.endpoint_name, stage=env.name,
-            baseline_stage=baseline_stage(settings.pipeline, settings.environments, env.name),
+            endpoint_name=env.decision.endpoint_name, stage=env.name, baseline=baseline_place(settings, env),
             gate_limits_json=rc.gate.to_json(),
             load=LoadPlan(clients=load.clients, duration_s=load.duration_s, max_attempts=load.max_attempts,
                           max_elapsed_s=load.max_elapsed_s, request_timeout_s=load.request_timeout_s,
@@ -194,7 +220,7 @@ def release_checks(env: EnvironmentSettings, settings: AppSettings) -> list:
         if gated.release_checks is not None and baseline_stage(settings.pipeline, settings.environments, name) == env.name:
             checks.append(promote_check(
                 model_bucket=model_bucket_name(settings.project, name, gated.account, gated.region), stage=name,
-                baseline_stage=env.name, role_arn=f"arn:aws:iam::{gated.account}:role/{pipeline_check_role_name(name)}",
+                baseline=baseline_place(settings, gated), role_arn=f"arn:aws:iam::{gated.account}:role/{pipeline_check_role_name(name)}",
                 region=gated.region))
     return checks
 
@@ -268,6 +294,7 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
             def build(stage, env=env) -> StageStacks:
                 stacks = add_environment(stage, env, settings=settings, aws_env=None,
                                          adapter_image_digest=_digest_for(digests, env.variant),
+                                         batch_image_digest=_digest_for(digests, "cpu"),
                                          dlc_digest=dlc[env.variant], image_repository=image_repository_arn(settings),
                                          synthesizer=stage_stack_synthesizer)
                 endpoints = [stacks.decision.endpoint] + ([stacks.text.endpoint] if stacks.text else [])
@@ -275,7 +302,8 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                                    stacks=[s for s in (stacks.shared, stacks.decision, stacks.text) if s is not None],
                                    endpoint_names=[e.endpoint_name for e in endpoints],
                                    alarm_names=[name for e in endpoints for name in e.alarm_names],
-                                   outputs={MODEL_KEY_OUTPUT: stacks.shared.model_key_arn_output})
+                                   outputs={MODEL_KEY_OUTPUT: stacks.shared.model_key_arn_output},
+                                   endpoint_config_output=stacks.decision.endpoint_config_output)
 
             # The manifest `semif-package-model upload` writes: in the prefix, or beside the .tar.gz.
             manifest = manifest_key(env.model_prefix)
@@ -294,31 +322,36 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                       repository=pipeline.repository, branch=pipeline.branch, stages=specs,
                       bakes={target: by_name[baked] for target, baked in pipeline.bake_before.items()},
                       bake_minutes=pipeline.bake_minutes, image_keep_last=pipeline.image_keep_last,
-                      # Only the variants a stage runs: an all-CPU pipeline builds no CUDA image.
-                      dlc_base_images={v: dlc_image_uri(pipeline.region, v, dlc[v])
-                                       for v in sorted({settings.environment(n).variant for n in pipeline.stages})},
-                      pull_accounts=sorted({e.account for e in settings.environments.values()}))
+                      # The variants the stages run, and CPU, which every stage's Batch Transform runs: an all-CPU
+                      # pipeline builds no CUDA image.
+                      dlc_base_images={v: dlc_image_uri(pipeline.region, v, dlc[v]) for v in
+                                       sorted({settings.environment(n).variant for n in pipeline.stages} | {"cpu"})},
+                      pull_roles=sorted(arn for name in pipeline.stages
+                                        for arn in image_pull_roles(settings.environment(name))))
     else:
         env = settings.environment(str(app.node.try_get_context("env") or "dev"))
         aws_env = Environment(account=env.account, region=env.region)
         # The environment's own repository and build project: `make deploy` builds the image there first.
-        (build,) = (spec for spec in default_build_specs(cpu_base_image=dlc_image_uri(env.region, "cpu", dlc["cpu"]),
-                                                         gpu_base_image=dlc_image_uri(env.region, "gpu", dlc["gpu"]))
-                    if spec.variant == env.variant)
+        # Its variant, and CPU for its Batch Transform: a CPU environment builds one image, a GPU one two.
+        builds = [spec for spec in default_build_specs(cpu_base_image=dlc_image_uri(env.region, "cpu", dlc["cpu"]),
+                                                       gpu_base_image=dlc_image_uri(env.region, "gpu", dlc["gpu"]))
+                  if spec.variant in (env.variant, "cpu")]
         image = ImageStack(app, f"SemIf-{env.name}-Image", stack_name=f"semif-{env.name}-image", env=aws_env,
                            description=f"SemIf {env.name}: adapter image repository and its CodeBuild project",
-                           env_name=env.name, build=build,
+                           env_name=env.name, builds=builds,
                            keep_last_images=settings.pipeline.image_keep_last if settings.pipeline else DEFAULT_KEEP_LAST_IMAGES,
-                           removal_policy=REMOVAL_BY_TIER[env.tier])
+                           removal_policy=REMOVAL_BY_TIER[env.tier],
+                           log_retention=logs.RetentionDays(_retention_name(env.log_retention_days)))
         stacks = add_environment(app, env, settings=settings, aws_env=aws_env,
                                  adapter_image_digest=_digest_for(digests, env.variant), dlc_digest=dlc[env.variant],
+                                 batch_image_digest=_digest_for(digests, "cpu"),
                                  image_repository=environment_repository_arn(env),
                                  image_lookup=f"`make deploy ENV={env.name}`, which builds the image and deploys its digest")
         stacks.image = image
         stacks.decision.add_stack_dependency(image)
         Tags.of(image).add("project", "semif")
         Tags.of(image).add("environment", env.name)
-        if digests[env.variant] == PLACEHOLDER_DIGEST:
+        if PLACEHOLDER_DIGEST in (digests[env.variant], digests["cpu"]):
             Annotations.of(stacks.decision).add_warning_v2(
                 "semif:placeholder-image", "adapter image digest is the all-zero placeholder: CloudFormation will "
                 "refuse to deploy this decision stack")

@@ -337,9 +337,7 @@ def load_settings(path: Path | str = CONFIG_PATH) -> AppSettings:
                               "'sha256:<64 hex>' digest (look-up command: docs/how-to/deploy-first-environment.md, step 3)")
     for env in environments.values():
         _check_environment(env)
-        if pipeline is None and env.release_checks is not None:
-            raise ConfigError(f"environments.{env.name}.release_checks: the pipeline runs them; with \"pipeline\": "
-                              "null, set it to null too")
+    # Without a pipeline, release_checks are not run (the pipeline runs them): they stay in the file for later.
     if pipeline is not None:
         _check_pipeline(pipeline, environments)
     return app_settings
@@ -383,6 +381,8 @@ REPORTS_PREFIX = "reports/"
 _EVAL_DATA_KEY = re.compile(r"^eval/[A-Za-z0-9._/-]*[A-Za-z0-9_-]\.jsonl$")
 # The load check runs minutes, not hours: it gates a release, it is not a soak test.
 LOAD_DURATION_RANGE_S = (10, 900)
+# SageMaker's InvokeEndpoint limit: no request's ModelLatency reaches it, so no latency alarm at or above it can fire.
+INVOKE_ENDPOINT_LIMIT_MS = 60_000
 # SageMaker's VariantInstanceProvisionTimeoutInSeconds range (botocore service model: min 300, max 3600).
 PROVISION_TIMEOUT_RANGE = (300, 3600)
 
@@ -424,6 +424,13 @@ def _check_environment(env: EnvironmentSettings) -> None:
             )
         if not 1 <= endpoint.min_instances <= endpoint.max_instances:
             raise ConfigError(f"{where}.{label}: need 1 <= min_instances <= max_instances")
+        # InvokeEndpoint: "A customer's model containers must respond to requests within 60 seconds"
+        # (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_runtime_InvokeEndpoint.html).
+        if endpoint.alarms.model_latency_p95_ms >= INVOKE_ENDPOINT_LIMIT_MS:
+            raise ConfigError(
+                f"{where}.{label}.alarms.model_latency_p95_ms: {endpoint.alarms.model_latency_p95_ms} can never "
+                f"fire: SageMaker ends an invocation at {INVOKE_ENDPOINT_LIMIT_MS // 1000} s (InvokeEndpoint's limit), so "
+                f"ModelLatency stays below {INVOKE_ENDPOINT_LIMIT_MS}; set it below that (e.g. 55000)")
         _check_compute(env, f"{where}.{label}", endpoint)
     adapter = env.decision.adapter
     if adapter.n_ctx < MIN_N_CTX:
@@ -586,6 +593,14 @@ def _check_compute(env: EnvironmentSettings, where: str, endpoint: EndpointCompu
 
 def _check_pipeline(pipeline: PipelineSettings, environments: Mapping[str, EnvironmentSettings]) -> None:
     stages = list(pipeline.stages)
+    for name in stages:
+        # Every stage runs the image the pipeline pushes to its own region, and SageMaker pulls a model's ECR image only
+        # from the model's region (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ContainerDefinition.html).
+        if environments[name].region != pipeline.region:
+            raise ConfigError(f"environments.{name}.region: '{environments[name].region}' is outside the pipeline's "
+                              f"region '{pipeline.region}'; SageMaker pulls the adapter image only from its own region "
+                              f"and the pipeline pushes it to '{pipeline.region}': move the stage to '{pipeline.region}', "
+                              "or deploy it apart with `make deploy` after dropping it from pipeline.stages")
     for i, name in enumerate(stages):
         env = environments[name]
         if env.tier == "prod":

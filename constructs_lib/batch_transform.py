@@ -16,11 +16,12 @@ on this Model (docs/how-to/batch-transform.md).
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 from aws_cdk import ArnFormat, Stack, aws_iam as iam, aws_kms as kms, aws_s3 as s3
 from constructs import Construct
 
+from config import settings_contract  # the SEMIF_* definition (the container package's)
 from constructs_lib.image_sources import ContainerImageSource
 from constructs_lib.model_bucket import BATCH_ROOT
 from constructs_lib.model_check import transform_tarball_key
@@ -43,10 +44,14 @@ class BatchTransform(Construct):
         model_key: kms.IKey,
         model_prefix: str,
         environment: Mapping[str, str],
+        role_name: Optional[str] = None,
     ) -> None:
+        """``role_name``: a fixed name for the transform role (model_role_name), for a repository policy that names
+        it."""
         super().__init__(scope, id_)
         stack = Stack.of(self)
         self.role = iam.Role(self, "TransformRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
+                             role_name=role_name,
                              description="Execution role of the decision model's Batch Transform jobs")
 
         # Run the model: the same grants as the endpoint's role.
@@ -94,6 +99,14 @@ class BatchTransform(Construct):
         # Writing SSE-KMS objects needs a data key from the bucket's key (reading already has kms:Decrypt).
         iam.Grant.add_to_principal(grantee=self.role, actions=["kms:GenerateDataKey"], resource_arns=[model_key.key_arn])
 
+        # JSON Lines on /invocations run under the batch limits only in a transform job's container; SageMaker's
+        # SAGEMAKER_BATCH=true says so too, this keeps it explicit in the Model (SEMIF_BATCH_TRANSFORM).
+        environment = {**environment, "SEMIF_BATCH_TRANSFORM": "1"}
+        # A secret the adapter reads at startup by reference (the log hash key): exactly the ARNs named.
+        secret_arns = sorted(arn for name, arn in environment.items() if name in settings_contract.SECRET_REFERENCES)
+        if secret_arns:
+            self.role.add_to_policy(iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"],
+                                                        resources=secret_arns))
         self.cfn_model = isolated_model(self, role=self.role, image_uri=image_uri, bucket_name=model_bucket.bucket_name,
                                         model_prefix=model_prefix, environment=environment,
                                         model_data_url_key=self.model_data_key)

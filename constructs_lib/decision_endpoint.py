@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 from aws_cdk import RemovalPolicy, aws_iam as iam, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
 from constructs import Construct
@@ -35,6 +35,7 @@ class DecisionEndpoint(ServingEndpoint):
         low_margin_threshold: float,
         log_retention: logs.RetentionDays,
         removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
+        role_name: Optional[str] = None,
     ) -> None:
         bad = sorted(k for k in adapter_environment if not k.startswith("SEMIF_") or k in RESERVED_VARIABLES)
         if bad:
@@ -59,7 +60,7 @@ class DecisionEndpoint(ServingEndpoint):
             scope, id_, endpoint_name=endpoint_name, image=image, model_bucket=model_bucket, model_key=model_key,
             model_prefix=model_prefix, environment=environment, compute=compute, alarm_topic=alarm_topic,
             alarm_thresholds=alarm_thresholds, log_retention=log_retention, removal_policy=removal_policy,
-            adapter_low_margin_threshold=low_margin_threshold,
+            adapter_low_margin_threshold=low_margin_threshold, role_name=role_name,
         )
         self.environment = environment  # the adapter's SEMIF_* as the Model gets them (Batch Transform reuses them)
         # Exactly the secrets named by reference, nothing else. A secret encrypted with a customer managed key also

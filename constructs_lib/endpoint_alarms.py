@@ -24,6 +24,9 @@ PERIOD = Duration.minutes(5)
 ROLLBACK_PERIOD = Duration.minutes(1)
 ROLLBACK_EVALUATION_PERIODS = 3
 ROLLBACK_DATAPOINTS = 2
+# A one-minute p95 of a handful of requests is one slow request: below this many requests in a minute the rollback
+# latency alarm reads 0 (not breaching), so a good release is not rolled back at low traffic.
+ROLLBACK_LATENCY_MIN_REQUESTS = 20
 # Instance metrics (CPU, memory, GPU, disk) live here; invocation metrics in AWS/SageMaker.
 INSTANCE_NAMESPACE = "/aws/sagemaker/Endpoints"
 
@@ -123,15 +126,24 @@ def sagemaker_endpoint_alarms(scope: Construct, *, endpoint_name: str, variant_n
             thresholds.gpu_memory_utilization_pct * compute.min_gpus, periods=3,
             missing=cloudwatch.TreatMissingData.MISSING)
     if compute.autoscaling_enabled and compute.max_instances > compute.min_instances:
-        # Each instance reports CPUUtilization once a minute: samples per 5 min / 5 = instances in service.
-        instances = cloudwatch.MathExpression(
-            expression="samples / 5", using_metrics={"samples": metric("CPUUtilization", "SampleCount",
-                                                                       INSTANCE_NAMESPACE)},
-            label="instances in service", period=PERIOD)
+        # Each instance reports CPUUtilization once a minute: samples per 5 min / 5 = instances in service. During a
+        # blue/green update both fleets report under the variant, so the count alone reaches max_instances on an
+        # ordinary deploy of a fleet half that size; the alarm also needs the scaling metric (requests in flight per
+        # instance, averaged over the instances that report it) at or above the scaling target: a fleet that would
+        # scale out and cannot. An ordinary deploy runs below the target; one that does not is a fleet starved
+        # while autoscaling is blocked for the update, and pages rightly.
+        at_max = cloudwatch.MathExpression(
+            expression=f"IF(samples / 5 >= {compute.max_instances} AND FILL(load, 0) >= {compute.target_concurrency}, "
+                       "samples / 5, 0)",
+            using_metrics={"samples": metric("CPUUtilization", "SampleCount", INSTANCE_NAMESPACE),
+                           "load": metric("ConcurrentRequestsPerModel", "Average")},
+            label="instances in service, while requests in flight per instance are at the scaling target",
+            period=PERIOD)
         alarms["scaling_at_max"] = alarm(
             "ScalingAtMaxAlarm", "scaling-at-max",
-            f"{compute.max_instances} instances (max_instances) for 30 min: raise max_instances or the quota",
-            instances, compute.max_instances, periods=6, operator=at_least)
+            f"{compute.max_instances} instances (max_instances) and requests in flight at the scaling target "
+            f"({compute.target_concurrency} per instance) for 30 min: raise max_instances or the quota",
+            at_max, compute.max_instances, periods=6, operator=at_least)
     # A dead endpoint reports no CPUUtilization at all: one notification for it, from the CPU alarm.
     alarms["cpu_utilization"].add_insufficient_data_action(cw_actions.SnsAction(topic))
 
@@ -149,10 +161,16 @@ def sagemaker_endpoint_alarms(scope: Construct, *, endpoint_name: str, variant_n
     alarms["rollback_server_errors"] = rollback_alarm(
         "RollbackServerErrorsAlarm", "rollback-server-errors", f"{what} per minute",
         server_errors_metric(ROLLBACK_PERIOD), thresholds.invocation_5xx_per_5min, at_least)
+    # ModelLatency's SampleCount is the minute's requests.
+    rollback_latency = cloudwatch.MathExpression(
+        expression=f"IF(requests >= {ROLLBACK_LATENCY_MIN_REQUESTS}, latency, 0)",
+        using_metrics={"latency": metric("ModelLatency", "p95", period=ROLLBACK_PERIOD),
+                       "requests": metric("ModelLatency", "SampleCount", period=ROLLBACK_PERIOD)},
+        label=f"ModelLatency p95 of minutes with {ROLLBACK_LATENCY_MIN_REQUESTS}+ requests", period=ROLLBACK_PERIOD)
     alarms["rollback_latency_p95"] = rollback_alarm(
         "RollbackLatencyP95Alarm", "rollback-latency-p95",
-        f"ModelLatency p95 above {thresholds.model_latency_p95_ms} ms per minute",
-        metric("ModelLatency", "p95", period=ROLLBACK_PERIOD), thresholds.model_latency_p95_ms * 1000,
+        f"ModelLatency p95 above {thresholds.model_latency_p95_ms} ms per minute of at least "
+        f"{ROLLBACK_LATENCY_MIN_REQUESTS} requests", rollback_latency, thresholds.model_latency_p95_ms * 1000,
         cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD)
     return alarms
 

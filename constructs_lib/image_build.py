@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from aws_cdk import (
+    ArnFormat,
     Duration,
     RemovalPolicy,
     Stack,
@@ -25,6 +26,7 @@ from aws_cdk import (
     aws_ecr as ecr,
     aws_iam as iam,
     aws_kms as kms,
+    aws_logs as logs,
     aws_s3_assets as s3_assets,
     pipelines,
 )
@@ -35,6 +37,9 @@ from constructs_lib.nag import checkov_skip
 
 IMAGE_REPOSITORY_NAME = "semif/adapter"
 CACHE_REPOSITORY_NAME = "semif/adapter-build-cache"
+# build-image.sh pushes each image as candidate-<tag> and checks its manifest type before it tags <tag>: the one tag
+# pattern the repository leaves mutable.
+CANDIDATE_TAG_PATTERN = "candidate-*"
 IMAGE_OUTPUT_DIR = "image-out"
 IMAGE_OUTPUT_FILE = "image.json"
 # CodeBuild allows up to 2160 minutes (36 h); a cold CUDA build of llama-cpp-python for four architectures takes well under 2 h on
@@ -83,6 +88,13 @@ def image_repository_name(env_name: Optional[str] = None) -> str:
     return IMAGE_REPOSITORY_NAME if env_name is None else f"semif/{env_name}/adapter"
 
 
+def _role_account(role_arn: str) -> str:
+    parts = role_arn.split(":")
+    if len(parts) != 6 or parts[2] != "iam" or not parts[5].startswith("role/"):
+        raise ValueError(f"pull_roles: {role_arn!r} is not an IAM role ARN")
+    return parts[4]
+
+
 def local_cache_supported(compute_type: codebuild.ComputeType) -> bool:
     """CodeBuild's local caching is not available on the 2XLARGE compute type
     (https://docs.aws.amazon.com/codebuild/latest/userguide/caching-local.html); there the registry cache
@@ -94,13 +106,15 @@ class AdapterImageRepository(Construct):
     """An image repository and the build cache beside it: the pipeline's central one every environment pulls from
     (``env_name=None``), or one environment's own."""
 
-    def __init__(self, scope: Construct, id_: str, *, keep_last_images: int, pull_accounts: Sequence[str] = (),
+    def __init__(self, scope: Construct, id_: str, *, keep_last_images: int, pull_roles: Sequence[str] = (),
                  environments: Sequence[str] = (), env_name: Optional[str] = None,
                  removal_policy: RemovalPolicy = RemovalPolicy.RETAIN) -> None:
         """``keep_last_images``: per environment in ``environments`` (in promotion order, dev first), the images last
         deployed there; and of the images no environment was deployed with, the newest. An image an environment may
         still run (for a replacement instance, a scale-out, Batch Transform or a rollback) is never expired while it
         is among the last ``keep_last_images`` that environment was deployed with."""
+        """``pull_roles``: the ARNs of the roles of other accounts that pull its images (each environment's endpoint
+        execution role and Batch Transform role, by their fixed names)."""
         """``removal_policy``: the pipeline's repository is retained (prod may run any of its digests); one
         environment's follows its tier, and a repository created by a failed first deploy never blocks the retry
         (RETAIN_ON_UPDATE_OR_DELETE, or DESTROY with the images removed)."""
@@ -110,8 +124,11 @@ class AdapterImageRepository(Construct):
                            removal_policy=removal_policy)
         self.repository = ecr.Repository(
             self, "Repository", repository_name=image_repository_name(env_name), image_scan_on_push=True,
-            # A tag is the hash of the build inputs: the same tag is always the same image.
-            image_tag_mutability=ecr.TagMutability.IMMUTABLE,
+            # A tag is the hash of the build inputs: the same tag is always the same image. Only the candidate tag a
+            # build pushes before checking the manifest type can move
+            # (https://docs.aws.amazon.com/AmazonECR/latest/userguide/image-tag-mutability.html).
+            image_tag_mutability=ecr.TagMutability.IMMUTABLE_WITH_EXCLUSION,
+            image_tag_mutability_exclusion_filters=[ecr.ImageTagMutabilityExclusionFilter.wildcard(CANDIDATE_TAG_PATTERN)],
             encryption=ecr.RepositoryEncryption.KMS, encryption_key=self.key,
             # ECR expires an image by one rule at most: the highest-priority (lowest-numbered) rule whose tags select
             # it, so the closing 'any' rule cannot reach an image tagged as deployed. An image deployed to several
@@ -140,16 +157,22 @@ class AdapterImageRepository(Construct):
                                                tag_status=ecr.TagStatus.UNTAGGED, max_image_age=Duration.days(14))],
             removal_policy=RemovalPolicy.DESTROY, empty_on_delete=env_name is not None,
         )
+        checkov_skip(self.repository, "CKV_AWS_51", "Every tag is immutable but candidate-*, the tag a build pushes to "
+                     "check the manifest type before it makes the immutable tag; nothing deploys a candidate tag.")
         checkov_skip(self.cache_repository, "CKV_AWS_51", "BuildKit's registry cache rewrites one tag per variant "
                      "on every build; it holds cache layers, never an image any endpoint runs.")
-        # SageMaker in each environment account pulls with the endpoint's execution role; that account's
-        # policies name this repository, and this policy lets the accounts in.
-        accounts = sorted(set(pull_accounts) - {Stack.of(self).account})
-        if accounts:
+        # SageMaker in each environment account pulls with the Model's execution role; that role's policy names this
+        # repository, and this policy lets in exactly the named roles: their accounts as principals, and
+        # aws:PrincipalArn, which needs no role to exist when the policy is written, for the roles
+        # (https://docs.aws.amazon.com/AmazonECR/latest/userguide/repository-policy-examples.html,
+        # https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_policies_condition-keys.html#condition-keys-principalarn).
+        roles = sorted({arn for arn in pull_roles if _role_account(arn) != Stack.of(self).account})
+        if roles:
             self.repository.add_to_resource_policy(iam.PolicyStatement(
                 sid="EnvironmentAccountsPull",
-                principals=[iam.AccountPrincipal(a) for a in accounts],
-                actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"]))
+                principals=[iam.AccountPrincipal(a) for a in sorted({_role_account(arn) for arn in roles})],
+                actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
+                conditions={"ArnEquals": {"aws:PrincipalArn": roles}}))
 
     def build_step(self, spec: ImageBuildSpec, *, source: pipelines.IFileSetProducer) -> pipelines.CodeBuildStep:
         """A pipeline step that builds ``spec``'s image from ``container/`` (or finds it built) and outputs
@@ -159,7 +182,7 @@ class AdapterImageRepository(Construct):
             input=source,
             project_name=image_project_name(spec.variant),
             build_environment=codebuild.BuildEnvironment(
-                build_image=codebuild.LinuxBuildImage.STANDARD_7_0, compute_type=spec.compute_type,
+                build_image=codebuild.LinuxBuildImage.STANDARD_8_0, compute_type=spec.compute_type,
                 privileged=True),  # docker build needs the Docker daemon
             # Same-host layer reuse on top of the registry cache: build-image.sh builds on the Docker daemon's own
             # BuildKit, whose layers this cache keeps.
@@ -185,7 +208,8 @@ class AdapterImageRepository(Construct):
 
 
     def _build_statements(self) -> list[iam.PolicyStatement]:
-        """What build-image.sh does: log in, push the image and its cache, check the stored manifest, pull the DLC."""
+        """What build-image.sh does: log in, push the candidate image and the cache, check the candidate's manifest,
+        tag it (PutImage), pull the DLC. No delete: nothing the build runs can remove an image an environment pulls."""
         stack = Stack.of(self)
         dlc_account = dlc_registry_account(stack.region)
         return [
@@ -195,8 +219,6 @@ class AdapterImageRepository(Construct):
                          "ecr:InitiateLayerUpload", "ecr:UploadLayerPart", "ecr:CompleteLayerUpload",
                          "ecr:PutImage", "ecr:DescribeImages"],
                 resources=[self.repository.repository_arn, self.cache_repository.repository_arn]),
-            # build-image.sh removes a tag it pushed (or found) whose manifest SageMaker would refuse.
-            iam.PolicyStatement(actions=["ecr:BatchDeleteImage"], resources=[self.repository.repository_arn]),
             iam.PolicyStatement(
                 actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
                 resources=[f"arn:{stack.partition}:ecr:{stack.region}:{dlc_account}:repository/{DLC_REPOSITORY}"]),
@@ -204,7 +226,9 @@ class AdapterImageRepository(Construct):
                                 resources=[self.key.key_arn]),
         ]
 
-    def build_project(self, spec: ImageBuildSpec, *, source_dir: Path) -> codebuild.Project:
+    def build_project(self, spec: ImageBuildSpec, *, source_dir: Path,
+                      log_retention: logs.RetentionDays = logs.RetentionDays.ONE_MONTH,
+                      removal_policy: RemovalPolicy = RemovalPolicy.DESTROY) -> codebuild.Project:
         """One environment's project for ``spec``: its source is ``source_dir`` (``container/``) as a CDK asset, its
         buildspec the asset's own ``buildspec.yml``. Nothing starts it during a stack operation: ``deploy/`` starts
         it with the resolved base image and the input-hash tag, and waits (docs/explanation/image.md)."""
@@ -212,11 +236,27 @@ class AdapterImageRepository(Construct):
             raise ValueError("build_project is for one environment's repository (env_name)")
         self.source = s3_assets.Asset(self, f"Source-{spec.variant}", path=str(source_dir),
                                       exclude=list(SOURCE_EXCLUDES))
+        stack = Stack.of(self)
+        project_name = image_project_name(spec.variant, self.env_name)
+        # The build log, created by the stack (CodeBuild would create one that never expires and outlives a
+        # teardown), encrypted with the repository key for this one log group only.
+        log_group_name = f"/aws/codebuild/{project_name}"
+        self.key.add_to_resource_policy(iam.PolicyStatement(
+            principals=[iam.ServicePrincipal(f"logs.{stack.region}.amazonaws.com")],
+            actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncryptFrom", "kms:ReEncryptTo", "kms:GenerateDataKey",
+                     "kms:DescribeKey"],
+            resources=["*"],
+            conditions={"ArnEquals": {"kms:EncryptionContext:aws:logs:arn": stack.format_arn(
+                service="logs", resource="log-group", resource_name=log_group_name,
+                arn_format=ArnFormat.COLON_RESOURCE_NAME)}}))
+        self.build_log = logs.LogGroup(self, f"BuildLog-{spec.variant}", log_group_name=log_group_name,
+                                       encryption_key=self.key, retention=log_retention, removal_policy=removal_policy)
         project = codebuild.Project(
-            self, f"Build-{spec.variant}", project_name=image_project_name(spec.variant, self.env_name),
+            self, f"Build-{spec.variant}", project_name=project_name,
+            logging=codebuild.LoggingOptions(cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=self.build_log)),
             description=f"Builds the SemIf adapter image ({spec.variant}) for {self.env_name}",
             source=codebuild.Source.s3(bucket=self.source.bucket, path=self.source.s3_object_key),
-            environment=codebuild.BuildEnvironment(build_image=codebuild.LinuxBuildImage.STANDARD_7_0,
+            environment=codebuild.BuildEnvironment(build_image=codebuild.LinuxBuildImage.STANDARD_8_0,
                                                    compute_type=spec.compute_type,
                                                    privileged=True),  # docker build needs the Docker daemon
             environment_variables={name: codebuild.BuildEnvironmentVariable(value=value) for name, value in {

@@ -10,6 +10,7 @@ variant's current instance count (RetainAllVariantProperties) and shifts traffic
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Mapping, Optional
 
@@ -48,8 +49,25 @@ TERMINATION_WAIT_S = 600
 MAX_DEPLOYMENT_S = 3 * 3600
 
 
+# IAM role names: at most 64 characters, unique in the account across every region
+# (https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_iam-quotas.html).
+ROLE_NAME_MAX = 64
+
+
 def endpoint_log_group_name(endpoint_name: str) -> str:
     return f"/aws/sagemaker/Endpoints/{endpoint_name}"
+
+
+def model_role_name(env_name: str, endpoint_name: str, kind: str) -> str:
+    """The fixed name of a role that runs ``endpoint_name``'s model in environment ``env_name``: ``kind`` is
+    ``endpoint`` (the execution role) or ``transform`` (Batch Transform). Fixed, so that the image repository of
+    another account can name it before it exists; the environment's name keeps two environments of one account apart
+    (an endpoint name is unique only per region). Past 64 characters the name is cut and ends in a hash of the whole."""
+    name = f"semif-{env_name}-{endpoint_name}-{kind}"
+    if len(name) <= ROLE_NAME_MAX:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:ROLE_NAME_MAX - len(digest) - 1]}-{digest}"
 
 
 @jsii.implements(iam.IGrantable)
@@ -71,9 +89,11 @@ class ServingEndpoint(Construct):
         log_retention: logs.RetentionDays,
         removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
         adapter_low_margin_threshold: Optional[float] = None,
+        role_name: Optional[str] = None,
     ) -> None:
         """``adapter_low_margin_threshold`` marks an endpoint that runs the SemIf adapter: its JSON log lines
-        become metrics, and its 503s (queue full) are alarmed on apart from other 5xx."""
+        become metrics, and its 503s (queue full) are alarmed on apart from other 5xx. ``role_name``: a fixed name
+        for the execution role (model_role_name), for a repository policy that names it."""
         super().__init__(scope, id_)
         stack = Stack.of(self)
         self.endpoint_name = endpoint_name
@@ -103,7 +123,7 @@ class ServingEndpoint(Construct):
                                        retention=log_retention, removal_policy=removal_policy)
 
         self.role = iam.Role(self, "ExecutionRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
-                             description=f"Execution role of SageMaker endpoint {endpoint_name}")
+                             role_name=role_name, description=f"Execution role of SageMaker endpoint {endpoint_name}")
         image_uri = grant_model_runtime(self, self.role, image=image, model_bucket=model_bucket, model_key=model_key,
                                         model_prefix=model_prefix)
         self.role.add_to_policy(iam.PolicyStatement(

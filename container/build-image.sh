@@ -27,13 +27,16 @@
 # addresses hit its rate limit), and CodeBuild's local Docker layer cache applies.
 #
 # SageMaker's CreateModel accepts only Docker image manifests (schema 2), not OCI manifests or image indexes:
-# provenance and SBOM attestations (on by default since buildx 0.10) are off, and after the push the manifest
-# media type ECR stores is checked. A tag that is anything else is removed again and the build fails, so an
-# immutable tag never keeps an image SageMaker cannot run.
+# provenance and SBOM attestations (on by default since buildx 0.10) are off, and the manifest media type ECR stores
+# is checked before the immutable tag exists. The image is pushed as candidate-<tag>, a tag the repository leaves
+# mutable (its one exclusion from immutability); only a Docker manifest is then tagged <tag>, by PutImage of that
+# manifest (https://docs.aws.amazon.com/AmazonECR/latest/APIReference/API_PutImage.html). So an immutable tag never
+# names an image SageMaker cannot run, and the build needs no ecr:BatchDeleteImage. (The check cannot run in the cache
+# repository: PutImage needs the manifest's layers in the repository it tags.)
 #
 # A tag already in the repository (with a Docker manifest) builds nothing: tags are immutable and name their
-# inputs. Two builds of one tag may run at once (a hand start-build beside the pipeline's); the one that pushes
-# second finds the tag taken and reports the image the first one pushed.
+# inputs. Two builds of one tag may run at once (a hand start-build beside the pipeline's); the one that tags
+# second finds the tag taken and reports the image the first one tagged.
 set -euo pipefail
 
 DOCKER_MANIFEST=application/vnd.docker.distribution.manifest.v2+json
@@ -84,9 +87,8 @@ manifest_media_type() {
   aws ecr describe-images --region "$REGION" --repository-name "$REPO_NAME" --image-ids imageTag="$1" \
     --query 'imageDetails[0].imageManifestMediaType' --output text
 }
-remove_tag() {
-  aws ecr batch-delete-image --region "$REGION" --repository-name "$REPO_NAME" --image-ids imageTag="$1" >/dev/null
-}
+# Only candidate-* tags are mutable in the repository (AdapterImageRepository's exclusion filter).
+CANDIDATE_TAG="candidate-${IMAGE_TAG}"
 
 echo "Logging in to ${REPO_REGISTRY}"
 aws ecr get-login-password --region "$REGION" | docker login --username AWS --password-stdin "$REPO_REGISTRY"
@@ -103,8 +105,11 @@ if tag_exists "$IMAGE_TAG"; then
     echo "${REPOSITORY_URI}:${IMAGE_TAG} already exists: the inputs are unchanged, nothing to build"
     SKIPPED=true
   else
-    echo "${REPOSITORY_URI}:${IMAGE_TAG} exists as ${found}, which SageMaker refuses: removing it and building again"
-    remove_tag "$IMAGE_TAG"
+    # Only a build from before the candidate check (or a hand push) leaves such a tag; this build may not delete.
+    echo "${REPOSITORY_URI}:${IMAGE_TAG} exists as ${found}, which SageMaker refuses, and the tag is immutable:" \
+         "delete it (aws ecr batch-delete-image --region ${REGION} --repository-name ${REPO_NAME}" \
+         "--image-ids imageTag=${IMAGE_TAG}) and build again" >&2
+    exit 1
   fi
 fi
 
@@ -144,29 +149,38 @@ if [ "$SKIPPED" = false ]; then
   case "$(docker info --format '{{range .DriverStatus}}{{index . 1}} {{end}}' 2>/dev/null || true)" in
     *io.containerd.snapshotter*)
       "${build[@]}" ${cache_from[@]+"${cache_from[@]}"} \
-        --output "type=image,name=${REPOSITORY_URI}:${IMAGE_TAG},push=true,oci-mediatypes=false" "$CONTEXT_DIR" \
+        --output "type=image,name=${REPOSITORY_URI}:${CANDIDATE_TAG},push=true,oci-mediatypes=false" "$CONTEXT_DIR" \
         || pushed=false ;;
     *)
       final_tags=()
       [ -z "${final_cache:-}" ] || { final_tags=(--tag "$final_cache"); cache_images+=("$final_cache"); }
       "${build[@]}" ${cache_from[@]+"${cache_from[@]}"} ${final_tags[@]+"${final_tags[@]}"} \
-        --tag "${REPOSITORY_URI}:${IMAGE_TAG}" --load "$CONTEXT_DIR"
-      docker push "${REPOSITORY_URI}:${IMAGE_TAG}" || pushed=false ;;
+        --tag "${REPOSITORY_URI}:${CANDIDATE_TAG}" --load "$CONTEXT_DIR"
+      docker push "${REPOSITORY_URI}:${CANDIDATE_TAG}" || pushed=false ;;
   esac
-  if [ "$pushed" = false ]; then
-    tag_exists "$IMAGE_TAG" || { echo "${REPOSITORY_URI}:${IMAGE_TAG} was not pushed (see above)" >&2; exit 1; }
-    echo "${REPOSITORY_URI}:${IMAGE_TAG} was pushed by another build of the same inputs meanwhile: using it"
-  fi
+  [ "$pushed" = true ] || { echo "${REPOSITORY_URI}:${CANDIDATE_TAG} was not pushed (see above)" >&2; exit 1; }
   # The cache is an optimisation: a failed cache push never fails the build.
   for image in ${cache_images[@]+"${cache_images[@]}"}; do
     docker push "$image" || echo "warning: could not push the layer cache ${image}" >&2
   done
-  MEDIA_TYPE="$(manifest_media_type "$IMAGE_TAG")"
+  read -r MEDIA_TYPE CANDIDATE_DIGEST < <(aws ecr describe-images --region "$REGION" --repository-name "$REPO_NAME" \
+    --image-ids imageTag="$CANDIDATE_TAG" --query 'imageDetails[0].[imageManifestMediaType,imageDigest]' --output text) || true
   if [ "$MEDIA_TYPE" != "$DOCKER_MANIFEST" ]; then
-    echo "${REPOSITORY_URI}:${IMAGE_TAG} was stored as ${MEDIA_TYPE}; SageMaker's CreateModel accepts only" \
-         "${DOCKER_MANIFEST}. Removed the tag; check the Docker daemon's image store and buildx attestations" >&2
-    remove_tag "$IMAGE_TAG"
+    echo "${REPOSITORY_URI}:${CANDIDATE_TAG} was stored as ${MEDIA_TYPE}; SageMaker's CreateModel accepts only" \
+         "${DOCKER_MANIFEST}, so ${IMAGE_TAG} was not tagged; check the Docker daemon's image store and buildx" \
+         "attestations" >&2
     exit 1
+  fi
+  # The manifest exactly as ECR stores it (JSON-quoted by the CLI, unquoted here byte for byte), tagged immutably.
+  aws ecr batch-get-image --region "$REGION" --repository-name "$REPO_NAME" --image-ids imageDigest="$CANDIDATE_DIGEST" \
+    --accepted-media-types "$DOCKER_MANIFEST" --query 'images[0].imageManifest' --output json \
+    | python3 -c 'import json,sys; sys.stdout.write(json.load(sys.stdin))' > candidate-manifest.json
+  if ! aws ecr put-image --region "$REGION" --repository-name "$REPO_NAME" --image-tag "$IMAGE_TAG" \
+       --image-digest "$CANDIDATE_DIGEST" --image-manifest file://candidate-manifest.json \
+       --image-manifest-media-type "$DOCKER_MANIFEST" >/dev/null; then
+    [ "$(manifest_media_type "$IMAGE_TAG" 2>/dev/null)" = "$DOCKER_MANIFEST" ] \
+      || { echo "${REPOSITORY_URI}:${IMAGE_TAG} could not be tagged (see above)" >&2; exit 1; }
+    echo "${REPOSITORY_URI}:${IMAGE_TAG} was tagged by another build of the same inputs meanwhile: using it"
   fi
 fi
 

@@ -58,8 +58,14 @@ class Cdk:
                               "create is left in ROLLBACK_COMPLETE, and the next run's `cdk deploy` replaces it")
 
 
-def _contexts(variant: str, *, adapter_digest: str, dlc_digest: str) -> dict[str, str]:
-    return {f"adapter-image-{variant}": adapter_digest, f"dlc-image-{variant}": dlc_digest}
+def _contexts(adapter_digests: dict[str, str], dlc_digests: dict[str, str]) -> dict[str, str]:
+    return {**{f"adapter-image-{v}": d for v, d in adapter_digests.items()},
+            **{f"dlc-image-{v}": d for v, d in dlc_digests.items()}}
+
+
+def variants_of(env) -> list[str]:
+    """The images an environment runs: its endpoint's variant, and CPU, which its Batch Transform runs."""
+    return sorted({env.variant, "cpu"})
 
 
 def _stack_outputs(cloudformation, stack_name: str) -> dict[str, str]:
@@ -77,28 +83,35 @@ def up(args, session, settings, env, cdk: Cdk) -> None:
     from .smoke import smoke
 
     region = env.region
+    variants = variants_of(env)
+    placeholders = {v: PLACEHOLDER_DIGEST for v in variants}
+    _step(f"the llama.cpp DLC ({', '.join(variants)})")
+    dlc_digests = {}
+    for variant in variants:
+        dlc_digests[variant], looked_up = resolve_dlc_digest(session.client("ecr"), region=region, variant=variant,
+                                                             pinned=settings.dlc_images.digest(variant))
+        _say(f"{variant}: {dlc_digests[variant]} "
+             f"({'looked up from its tag now' if looked_up else 'pinned in config/environments.json'})")
+
     if not _bootstrapped(session.client("ssm")):
         _step(f"bootstrapping CDK in aws://{env.account}/{region} (once per account and region)")
-        cdk.run(["npx", "--no-install", "cdk", "bootstrap", f"aws://{env.account}/{region}",
-                 "--app", f"{shlex.quote(sys.executable)} app.py", "-c", f"env={env.name}",
-                 *(["--profile", cdk.profile] if cdk.profile else [])]) == 0 or _fail("`cdk bootstrap` failed")
+        # The CLI synthesizes the app even for an explicit environment: it gets the contexts synth needs.
+        cdk("bootstrap", env.name, _contexts(placeholders, dlc_digests), [f"aws://{env.account}/{region}"])
 
-    _step(f"the {env.variant} llama.cpp DLC")
-    dlc_digest, looked_up = resolve_dlc_digest(session.client("ecr"), region=region, variant=env.variant,
-                                               pinned=settings.dlc_images.digest(env.variant))
-    _say(f"{dlc_digest} ({'looked up from its tag now' if looked_up else 'pinned in config/environments.json'})")
-
-    _step(f"the model bucket and the image build project of {env.name}")
-    cdk("deploy", env.name, _contexts(env.variant, adapter_digest=PLACEHOLDER_DIGEST, dlc_digest=dlc_digest),
+    _step(f"the model bucket and the image build projects of {env.name}")
+    cdk("deploy", env.name, _contexts(placeholders, dlc_digests),
         [f"SemIf-{env.name}-Shared", f"SemIf-{env.name}-Image"], "--require-approval", "never")
 
-    _step("the adapter image")
     outputs = _stack_outputs(session.client("cloudformation"), f"semif-{env.name}-image")
-    project = ImageProject(project_name=outputs[image_stack.OUTPUT_PROJECT],
-                           repository_uri=outputs[image_stack.OUTPUT_REPOSITORY_URI],
-                           source_hash=outputs[image_stack.OUTPUT_SOURCE_HASH], variant=outputs[image_stack.OUTPUT_VARIANT])
-    image = ensure_image(session.client("codebuild"), session.client("ecr"), project, region=region,
-                         dlc_digest=dlc_digest, timeout_s=args.build_timeout_min * 60, say=_say)
+    images = {}
+    for variant in variants:  # CPU first: the shorter build fails sooner
+        _step(f"the {variant} adapter image")
+        project = ImageProject(project_name=outputs[image_stack.output_project(variant)],
+                               repository_uri=outputs[image_stack.OUTPUT_REPOSITORY_URI],
+                               source_hash=outputs[image_stack.OUTPUT_SOURCE_HASH], variant=variant)
+        images[variant] = ensure_image(session.client("codebuild"), session.client("ecr"), project, region=region,
+                                       dlc_digest=dlc_digests[variant], timeout_s=args.build_timeout_min * 60, say=_say)
+    image = images[env.variant]
 
     _step("the model")
     bucket = model_bucket_name(settings.project, env.name, env.account, region)
@@ -106,12 +119,12 @@ def up(args, session, settings, env, cdk: Cdk) -> None:
                  region=region, say=_say)
 
     _step(f"every stack of {env.name}, pinned to {image.digest}")
-    cdk("deploy", env.name, _contexts(env.variant, adapter_digest=image.digest, dlc_digest=dlc_digest), [],
+    cdk("deploy", env.name, _contexts({v: i.digest for v, i in images.items()}, dlc_digests), [],
         "--all", "--require-approval", "never")
 
-    record = {"environment": env.name, "endpoint": env.decision.endpoint_name, "image_digest": image.digest,
-              "image_tag": image.tag, "base_image": image.base_image, "built": not image.skipped,
-              "build_log": image.log_url}
+    record = {"environment": env.name, "endpoint": env.decision.endpoint_name,
+              "images": {v: {"digest": i.digest, "tag": i.tag, "base_image": i.base_image, "built": not i.skipped,
+                             "build_log": i.log_url} for v, i in images.items()}}
     _say(json.dumps(record, indent=2))
     if args.no_smoke:
         return
@@ -138,8 +151,9 @@ def smoke_only(args, session, settings, env, cdk: Cdk) -> None:
 def down(args, session, settings, env, cdk: Cdk) -> None:
     from constructs_lib.image_sources import PLACEHOLDER_DIGEST
 
-    cdk("destroy", env.name, _contexts(env.variant, adapter_digest=PLACEHOLDER_DIGEST,
-                                       dlc_digest=settings.dlc_images.digest(env.variant)), [], "--all", "--force")
+    cdk("destroy", env.name, _contexts({v: PLACEHOLDER_DIGEST for v in variants_of(env)},
+                                       {v: settings.dlc_images.digest(v) for v in variants_of(env)}),
+        [], "--all", "--force")
     if env.tier == "prod":
         _say("prod keeps its model bucket, image repository and their keys (RETAIN): delete them by hand if you mean to")
 
@@ -150,10 +164,6 @@ def _bootstrapped(ssm) -> bool:
         return True
     except ssm.exceptions.ParameterNotFound:
         return False
-
-
-def _fail(message: str):
-    raise DeployError(message)
 
 
 # The accounts of the example config/environments.json (AWS's documentation style): never a real account.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from aws_cdk import RemovalPolicy, Stack, aws_ecr as ecr, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
+from aws_cdk import CfnOutput, RemovalPolicy, Stack, aws_ecr as ecr, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
 from constructs import Construct
 
 from constructs_lib.batch_transform import BatchTransform
@@ -13,7 +13,22 @@ from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.image_sources import BuiltImage, adapter_digest_lookup
 from constructs_lib.model_check import ModelCheck
+from constructs_lib.serving_endpoint import model_role_name
 from stacks.outputs import publish
+
+
+# The Batch Transform instance type of a GPU environment: its batch Model runs the CPU image.
+DEFAULT_CPU_BATCH_INSTANCE_TYPE = "ml.c6i.xlarge"
+
+
+def batch_environment(endpoint_environment: Mapping[str, str], *, image_digest: str) -> dict[str, str]:
+    """The endpoint's adapter settings for the CPU batch Model: no GPU layers and no GPU required, its own image
+    digest, and no API key (Batch Transform's requests carry no bearer token)."""
+    environment = {k: v for k, v in endpoint_environment.items()
+                   if k not in ("SEMIF_REQUIRE_GPU", "SEMIF_API_KEY_SECRET_ARN")}
+    environment["SEMIF_N_GPU_LAYERS"] = "0"
+    environment["SEMIF_IMAGE_DIGEST"] = image_digest
+    return environment
 
 
 class DecisionStack(Stack):
@@ -37,6 +52,8 @@ class DecisionStack(Stack):
         log_retention: logs.RetentionDays,
         removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
         placeholder_lookup: Optional[str] = None,
+        batch_image_digest: Optional[str] = None,
+        batch_instance_type: Optional[str] = None,
         **kwargs,
     ) -> None:
         super().__init__(scope, id_, **kwargs)
@@ -52,6 +69,7 @@ class DecisionStack(Stack):
             model_key=model_key, model_prefix=model_prefix, adapter_environment=adapter_environment,
             compute=compute, alarm_topic=alarm_topic, alarm_thresholds=alarm_thresholds,
             low_margin_threshold=low_margin_threshold, log_retention=log_retention, removal_policy=removal_policy,
+            role_name=model_role_name(env_name, endpoint_name, "endpoint"),
         )
         # No Model (so no instance) before the model it serves is in the bucket, on every deploy path.
         self.model_check = ModelCheck(self, "ModelCheck", model_bucket=model_bucket, model_key=model_key,
@@ -59,13 +77,29 @@ class DecisionStack(Stack):
                                       removal_policy=removal_policy, transform_tarball=True)
         self.model_check.guard(self.endpoint.cfn_model)
 
-        # Batch Transform: a Model of the same image, model and environment, run by a role of its own
-        # (docs/how-to/batch-transform.md); the model check guards it like the endpoint's Model.
-        self.batch = BatchTransform(self, "Batch", image=self.image, model_bucket=model_bucket,
+        # Batch Transform: a Model of the same model and settings, run by a role of its own
+        # (docs/how-to/batch-transform.md); the model check guards it like the endpoint's Model. It runs the CPU
+        # image on a CPU instance on every environment: Batch Transform's GPU hosts offer NVIDIA drivers 470 and 535
+        # only (TransformAmiVersion, https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TransformResources.html),
+        # which cannot run the CUDA 13 adapter that the endpoints' gpu-4-1 hosts (driver 580) run.
+        if batch_image_digest is None or batch_image_digest == image_digest:
+            self.batch_image = self.image
+        else:
+            self.batch_image = BuiltImage(repository=repository, digest=batch_image_digest,
+                                          placeholder_lookup=placeholder_lookup
+                                          or adapter_digest_lookup(image_repository_arn, env_name))
+        self.batch = BatchTransform(self, "Batch", image=self.batch_image, model_bucket=model_bucket,
                                     model_key=model_key, model_prefix=model_prefix,
-                                    environment=self.endpoint.environment)
+                                    environment=batch_environment(self.endpoint.environment,
+                                                                  image_digest=batch_image_digest or image_digest),
+                                    role_name=model_role_name(env_name, endpoint_name, "transform"))
         self.model_check.guard(self.batch.cfn_model)
 
+        # The config the endpoint must run once this stack's update is done (the pipeline's smoke test compares it
+        # with DescribeEndpoint). It changes with every image: an output, never an export.
+        self.endpoint_config_output = CfnOutput(
+            self, "DecisionEndpointConfigName", value=self.endpoint.cfn_endpoint_config.attr_endpoint_config_name,
+            description="Endpoint config the decision endpoint runs after this stack's last update")
         self.endpoint_name_output = publish(self, env_name=env_name, key="decision/endpoint-name",
                                             value=endpoint_name, description="Decision endpoint name")
         publish(self, env_name=env_name, key="decision/endpoint-arn", value=self.endpoint.endpoint_arn,
@@ -80,5 +114,7 @@ class DecisionStack(Stack):
                 description="SageMaker Model for Batch Transform jobs (semif-batch run)")
         publish(self, env_name=env_name, key="decision/batch-role-arn", value=self.batch.role.role_arn,
                 description="Execution role of Batch Transform jobs: reads batch/*/in/, writes batch/*/out/")
-        publish(self, env_name=env_name, key="decision/batch-instance-type", value=compute.instance_types[0],
-                description="Default instance type of Batch Transform jobs (the endpoint's first)")
+        publish(self, env_name=env_name, key="decision/batch-instance-type",
+                value=batch_instance_type or compute.instance_types[0],
+                description="Default instance type of Batch Transform jobs (a CPU type: the endpoint's first on a CPU "
+                            "environment)")

@@ -2,9 +2,9 @@
 
     Source → Build [Image-cpu, Image-gpu → Synth] → UpdatePipeline → Assets
            → dev     [PreDeploy → shared → CheckModel → decision → text → Smoke]
-           → staging [PreDeploy → shared → CheckModel → decision → Smoke → Gate → LoadCheck]      (GPU)
-           → prod    [Approve ‖ Bake(staging) → PreDeploy → shared → CheckModel → decision → text → Smoke
-                      → PromoteBaseline]
+           → staging [PreDeploy → shared → CheckModel → decision → Smoke → Gate → LoadCheck
+                      → Bake(staging)]                                                            (GPU)
+           → prod    [Approve → PreDeploy → shared → CheckModel → decision → text → Smoke → PromoteBaseline]
 
 Each variant's image is built once, before any deploy, and every stage of that variant deploys the same
 digest (build once, promote the digest). Gate, LoadCheck and PromoteBaseline are stage checks
@@ -14,7 +14,10 @@ What each step runs is in ``stacks/pipeline_steps.py``.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from aws_cdk import (CfnOutput, DefaultStackSynthesizer, Duration, Environment, Stack, Stage, aws_codebuild as codebuild,
@@ -32,10 +35,26 @@ PIPELINE_CHECK_ROLE_NAME = "semif-pipeline-checks"
 # deploy role (which the pipeline's deploy actions already use) to delete a stack a failed first create left.
 PIPELINE_PRE_DEPLOY_ROLE_NAME = "semif-pipeline-pre-deploy"
 ADAPTER_IMAGES_DIR = "adapter-images"
-# Every CodeBuild project of the pipeline runs these, not the image's defaults (which move when a version reaches end
-# of life): Node 20 for the CDK CLI (README), Python 3.12 for the app and its tests. aws/codebuild/standard:7.0
-# offers nodejs 18 and 20, python 3.11 and 3.12.
-CODEBUILD_RUNTIME_VERSIONS = {"nodejs": "20", "python": "3.12"}
+# Where a GPU stage's pre-deploy step finds the CPU image's image.json (its Batch Transform image).
+BATCH_IMAGE_DIR = "batch-image"
+# Every CodeBuild project of the pipeline runs on this image with these runtimes, not the image's defaults (which
+# move when a version reaches end of life): Node 22 for the CDK CLI (README; the CDK supports Node 22 and 24 since
+# Node 20's end of life), Python 3.12 for the app and its tests. aws/codebuild/standard:8.0 offers nodejs 22 and 24,
+# python 3.10 to 3.14; standard:7.0 stops at nodejs 20
+# (https://docs.aws.amazon.com/codebuild/latest/userguide/available-runtimes.html).
+CODEBUILD_IMAGE = codebuild.LinuxBuildImage.STANDARD_8_0
+CODEBUILD_RUNTIME_VERSIONS = {"nodejs": "22", "python": "3.12"}
+PACKAGE_JSON = Path(__file__).resolve().parents[1] / "package.json"
+
+
+def toolchain_versions(package_json: Path = PACKAGE_JSON) -> tuple[str, str]:
+    """The CDK CLI and cdk-assets versions ``package.json`` pins: self-mutation and asset publishing install exactly
+    these (unpinned, CDK Pipelines installs ``aws-cdk@2`` and ``cdk-assets@latest`` at every run)."""
+    pins = json.loads(package_json.read_text())["devDependencies"]
+    for name in ("aws-cdk", "cdk-assets"):
+        if not re.fullmatch(r"\d+\.\d+\.\d+", pins.get(name, "")):
+            raise ValueError(f"{package_json}: devDependencies.{name} must be an exact version, got {pins.get(name)!r}")
+    return pins["aws-cdk"], pins["cdk-assets"]
 
 
 def stage_stack_synthesizer() -> DefaultStackSynthesizer:
@@ -79,6 +98,8 @@ class StageStacks:
     alarm_names: Sequence[str] = ()
     # Outputs of the stage's stacks a stage check may read, by name (``StageCheck.env_from_outputs``).
     outputs: Mapping[str, CfnOutput] = field(default_factory=dict)
+    # The decision endpoint's config: the smoke test fails unless the endpoint runs this one.
+    endpoint_config_output: Optional[CfnOutput] = None
 
 
 @dataclass(frozen=True)
@@ -148,13 +169,13 @@ class PipelineStack(Stack):
         bake_minutes: int,
         image_keep_last: int,
         dlc_base_images: Mapping[str, str],
-        pull_accounts: Sequence[str],
+        pull_roles: Sequence[str],
         **kwargs,
     ) -> None:
         super().__init__(scope, id_, **kwargs)
         self.source = pipelines.CodePipelineSource.connection(repository, branch, connection_arn=connection_arn)
         self.images = AdapterImageRepository(self, "AdapterImages", keep_last_images=image_keep_last,
-                                             pull_accounts=pull_accounts, environments=[s.name for s in stages])
+                                             pull_roles=pull_roles, environments=[s.name for s in stages])
         self.image_steps = {
             spec.variant: self.images.build_step(spec, source=self.source)
             for spec in default_build_specs(cpu_base_image=dlc_base_images.get("cpu", ""),
@@ -179,13 +200,18 @@ class PipelineStack(Stack):
             resources=[self.images.repository.repository_arn]))
         self.pre_deploy_role.add_to_policy(iam.PolicyStatement(
             actions=["kms:Decrypt", "kms:GenerateDataKey"], resources=[self.images.key.key_arn]))
+        cli_version, cdk_assets_version = toolchain_versions()
         self.pipeline = pipelines.CodePipeline(
             self,
             "Pipeline",
             pipeline_name="semif",
             pipeline_type=codepipeline.PipelineType.V2,
-            code_build_defaults=pipelines.CodeBuildOptions(partial_build_spec=codebuild.BuildSpec.from_object(
-                {"phases": {"install": {"runtime-versions": dict(CODEBUILD_RUNTIME_VERSIONS)}}})),
+            cli_version=cli_version,
+            cdk_assets_cli_version=cdk_assets_version,
+            code_build_defaults=pipelines.CodeBuildOptions(
+                build_environment=codebuild.BuildEnvironment(build_image=CODEBUILD_IMAGE),
+                partial_build_spec=codebuild.BuildSpec.from_object(
+                    {"phases": {"install": {"runtime-versions": dict(CODEBUILD_RUNTIME_VERSIONS)}}})),
             cross_account_keys=True,
             enable_key_rotation=True,
             synth=pipelines.ShellStep(
@@ -217,14 +243,19 @@ class PipelineStack(Stack):
             waits: list[pipelines.Step] = []
             if spec.needs_approval:
                 waits.append(pipelines.ManualApprovalStep(f"Approve-{spec.name}", comment=f"Promote to {spec.name}?"))
-            if spec.name in bakes:
-                baked = bakes[spec.name]
-                waits.append(self._bake_step(spec.name, baked, self.stages[baked.name].stacks, bake_minutes))
             pre_deploy = self._pre_deploy_step(spec, stage)
             for step in waits:
                 pre_deploy.add_step_dependency(step)
+            post = self._post_deploy_steps(spec, stage)
+            for target in (t for t, baked in bakes.items() if baked.name == spec.name):
+                # Last in the baked stage itself: CodePipeline runs one execution per stage at a time, so no newer
+                # release enters this stage while it bakes (https://docs.aws.amazon.com/codepipeline/latest/userguide/
+                # concepts-how-it-works.html); in the target's `pre`, a newer one could replace what it watches.
+                bake = self._bake_step(target, spec, stage.stacks, bake_minutes)
+                bake.add_step_dependency(post[-1])
+                post.append(bake)
             self.pipeline.add_stage(
-                stage, pre=[*waits, pre_deploy], post=self._post_deploy_steps(spec, stage),
+                stage, pre=[*waits, pre_deploy], post=post,
                 # The shared stack (bucket, topic, check role) deploys first; the endpoints only once the
                 # model they serve is in the bucket.
                 stack_steps=[pipelines.StackSteps(stack=stage.stacks.decision, pre=[self._model_check_step(spec)])],
@@ -259,6 +290,8 @@ class PipelineStack(Stack):
         stack_names = [s.stack_name for s in reversed(stage.stacks.stacks or [stage.stacks.decision])]
         return pipelines.CodeBuildStep(
             f"PreDeploy-{spec.name}", input=self.image_steps[spec.variant], role=self.pre_deploy_role,
+            # A GPU stage's Batch Transform runs the CPU image: it is marked as deployed there too.
+            additional_inputs={BATCH_IMAGE_DIR: self.image_steps["cpu"]} if spec.variant != "cpu" else None,
             env={"STAGE_NAME": spec.name, "IMAGE_REPOSITORY": IMAGE_REPOSITORY_NAME, "IMAGE_REGION": self.region,
                  "DEPLOYED_TAG_PREFIX": deployed_tag_prefix(spec.name), "DEPLOY_ROLE_ARN": spec.deploy_role_arn,
                  "AWS_DEFAULT_REGION": spec.region, "STACKS": " ".join(stack_names)},
@@ -276,10 +309,13 @@ class PipelineStack(Stack):
     def _post_deploy_steps(self, spec: PipelineStageSpec, stage: EnvironmentStage) -> list[pipelines.Step]:
         """The smoke test, then the stage's checks, each after the one before."""
         env = {"CHAT_ENDPOINT_NAME": spec.chat_endpoint} if spec.chat_endpoint else {}
+        config = stage.stacks.endpoint_config_output
         smoke = self._check_step(
             f"Smoke-{spec.name}", role_arn=spec.check_role_arn, region=spec.region, env=env,
-            commands=smoke_commands(chat=bool(spec.chat_endpoint)),
-            env_from_cfn_outputs={"ENDPOINT_NAME": stage.stacks.endpoint_name_output})
+            input=self.image_steps[spec.variant],  # image.json: the digest the answer must name
+            commands=smoke_commands(chat=bool(spec.chat_endpoint), endpoint_config=config is not None),
+            env_from_cfn_outputs={"ENDPOINT_NAME": stage.stacks.endpoint_name_output,
+                                  **({"ENDPOINT_CONFIG_NAME": config} if config is not None else {})})
         steps: list[pipelines.Step] = [smoke]
         for check in spec.checks:
             unknown = sorted(set(check.env_from_outputs.values()) - set(stage.stacks.outputs))
@@ -300,8 +336,8 @@ class PipelineStack(Stack):
 
     def _bake_step(self, target: str, baked: PipelineStageSpec, baked_stacks: StageStacks,
                    minutes: int) -> pipelines.CodeBuildStep:
-        """Before ``target`` deploys: ``baked`` (the GPU staging stage, running the same digest) must have served
-        ``minutes`` with its endpoints InService and none of its alarms in ALARM."""
+        """At the end of ``baked``'s stage (GPU staging, running the digest ``target`` deploys next): its endpoints
+        must serve ``minutes`` InService with none of its alarms in ALARM."""
         return self._check_step(
             f"Bake-{baked.name}-before-{target}", role_arn=baked.check_role_arn, region=baked.region,
             env={"BAKE_SECONDS": str(minutes * 60), "ENDPOINT_NAMES": " ".join(baked_stacks.endpoint_names),

@@ -19,11 +19,17 @@ SMOKE_REQUEST = {"decision": {
 }}
 SMOKE_CHAT_REQUEST = {"messages": [{"role": "user", "content": "Reply with the single word: ready"}],
                       "max_tokens": 8, "temperature": 0}
-# Checks the decision answer: a choice among the options and probabilities that sum to 1.
+# Checks the decision answer: a choice among the options and probabilities that sum to 1, from the image this stage
+# deployed (``image.json``, the image step's output): an endpoint whose blue/green update rolled back is InService on
+# the old configuration, and its answers name the old digest.
 CHECK_DECISION = (
     "import json,sys; r=json.load(open('response.json')); ids=r['option_ids']; p=r['probabilities']; "
     "assert ids==['billing','technical','sales'], ids; assert r['choice'] in ids, r['choice']; "
-    "assert len(p)==3 and abs(sum(p)-1)<1e-3, p; print('decision ok:', r['choice'], p)"
+    "assert len(p)==3 and abs(sum(p)-1)<1e-3, p; "
+    "want=json.load(open('image.json'))['imageDigest']; got=(r.get('model') or {}).get('image_digest'); "
+    "assert got==want, 'the endpoint answers from image %s, not %s that this stage deployed: the update did not "
+    "take (a blue/green rollback keeps the old configuration InService)' % (got, want); "
+    "print('decision ok:', r['choice'], p, 'from', got)"
 )
 CHECK_CHAT = (
     "import json; r=json.load(open('chat.json')); text=r['choices'][0]['message']['content']; "
@@ -45,6 +51,16 @@ def assume_role(role_arn_variable: str) -> list[str]:
     ]
 
 
+def second_role(profile: str, role_arn_variable: str, region_variable: str) -> list[str]:
+    """Also act as the role in ``$<role_arn_variable>`` (in ``$<region_variable>``), as ``aws --profile <profile>``,
+    in a step that ran ``assume_role`` first: a second profile in the same config file, renewed the same way."""
+    return [
+        f"printf '[profile {profile}]\\nrole_arn = %s\\ncredential_source = EcsContainer\\n"
+        f"role_session_name = semif-pipeline\\nregion = %s\\n' \"${role_arn_variable}\" \"${region_variable}\" "
+        '>> "$AWS_CONFIG_FILE"',
+    ]
+
+
 def pre_deploy_commands() -> list[str]:
     """Before a stage deploys: keep its image, then clear stacks whose first create failed.
 
@@ -58,8 +74,10 @@ def pre_deploy_commands() -> list[str]:
        failed first create ends there, so it never served and holds nothing.
     """
     return [
-        "digest=\"$(python3 -c 'import json; print(json.load(open(\"image.json\"))[\"imageDigest\"])')\"",
-        'tag="${DEPLOYED_TAG_PREFIX}${digest#sha256:}"',
+        # image.json: the stage's image; batch-image/image.json (GPU stages): the CPU image its Batch Transform runs.
+        'for detail in image.json batch-image/image.json; do [ -f "$detail" ] || continue; '
+        "digest=\"$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"imageDigest\"])' \"$detail\")\"; "
+        'tag="${DEPLOYED_TAG_PREFIX}${digest#sha256:}"; '
         'if aws ecr describe-images --region "$IMAGE_REGION" --repository-name "$IMAGE_REPOSITORY" '
         '--image-ids imageTag="$tag" > /dev/null 2>&1; then echo "${digest} is already marked ${tag}"; else '
         'manifest="$(aws ecr batch-get-image --region "$IMAGE_REGION" --repository-name "$IMAGE_REPOSITORY" '
@@ -67,7 +85,8 @@ def pre_deploy_commands() -> list[str]:
         '--query "images[0].imageManifest" --output text)" && '
         'aws ecr put-image --region "$IMAGE_REGION" --repository-name "$IMAGE_REPOSITORY" --image-tag "$tag" '
         f'--image-digest "$digest" --image-manifest "$manifest" --image-manifest-media-type {DOCKER_MANIFEST} '
-        '> /dev/null && echo "marked ${digest} ${tag}: the repository keeps it while ${STAGE_NAME} may run it"; fi',
+        '> /dev/null && echo "marked ${digest} ${tag}: the repository keeps it while ${STAGE_NAME} may run it" '
+        '|| exit 1; fi; done',
         *assume_role("DEPLOY_ROLE_ARN"),
         'for stack in $STACKS; do '
         'if ! status="$(aws cloudformation describe-stacks --stack-name "$stack" '
@@ -94,12 +113,25 @@ def model_check_commands() -> list[str]:
     ]
 
 
-def smoke_commands(*, chat: bool) -> list[str]:
-    """Reads ``CHECK_ROLE_ARN``, ``ENDPOINT_NAME`` and, with ``chat``, ``CHAT_ENDPOINT_NAME``."""
+def smoke_commands(*, chat: bool, endpoint_config: bool = True) -> list[str]:
+    """Reads ``CHECK_ROLE_ARN``, ``ENDPOINT_NAME``, ``image.json`` (the digest the stage deployed), with
+    ``endpoint_config`` ``ENDPOINT_CONFIG_NAME`` (the decision stack's endpoint config), and with ``chat``
+    ``CHAT_ENDPOINT_NAME``.
+
+    The endpoint must be InService on the stack's endpoint config and answer from the stage's digest: after a
+    blue/green auto-rollback SageMaker keeps the endpoint InService on its previous config
+    (https://docs.aws.amazon.com/sagemaker/latest/dg/deployment-guardrails-configuration.html), so the status
+    alone proves nothing."""
+    describe = ('described="$(aws sagemaker describe-endpoint --endpoint-name "$ENDPOINT_NAME" '
+                '--query "[EndpointStatus,EndpointConfigName]" --output text)" || exit 1; set -- $described; '
+                '[ "$1" = InService ] || { echo "${ENDPOINT_NAME} is $1, not InService" >&2; exit 1; }')
+    if endpoint_config:
+        describe += ('; [ "$2" = "$ENDPOINT_CONFIG_NAME" ] || { echo "${ENDPOINT_NAME} runs endpoint config $2, not '
+                     '${ENDPOINT_CONFIG_NAME} that the stack deployed: the update did not take (a blue/green rollback '
+                     'keeps the old configuration InService); see the endpoint\'s events and alarms" >&2; exit 1; }')
     commands = [
         *assume_role("CHECK_ROLE_ARN"),
-        'test "$(aws sagemaker describe-endpoint --endpoint-name "$ENDPOINT_NAME" '
-        '--query EndpointStatus --output text)" = InService',
+        describe,
         f"echo '{json.dumps(SMOKE_REQUEST)}' > request.json",
         'aws sagemaker-runtime invoke-endpoint --endpoint-name "$ENDPOINT_NAME" '
         "--content-type application/json --body fileb://request.json response.json",
@@ -165,28 +197,45 @@ def semif_tools_install_commands() -> list[str]:
     ]
 
 
+BASELINE_PROFILE = "semif-baseline"
+
+
 def gate_commands() -> list[str]:
     """The labeled regression gate: the stage's labeled decisions through its decision endpoint (`semif-eval`), judged
     against the gate's limits and, when there is one, against the report of the release prod runs now.
 
     Reads ``MODEL_BUCKET``, ``EVAL_DATA_KEY``, ``ENDPOINT_NAME``, ``AWS_DEFAULT_REGION``, ``MODEL_KEY_ARN``,
     ``GATE_LIMITS`` (JSON), ``REPORT_PREFIX`` and ``RELEASE_ID`` (the report goes to
-    ``s3://$MODEL_BUCKET/$REPORT_PREFIX$RELEASE_ID/``) and ``BASELINE_KEY`` (prod's report). Runs as the stage's check
-    role, after ``semif_tools_install_commands``.
+    ``s3://$MODEL_BUCKET/$REPORT_PREFIX$RELEASE_ID/``); and where the baseline lives: ``BASELINE_BUCKET`` (prod's
+    model bucket, which outlives a torn-down staging), ``BASELINE_KEY``, ``BASELINE_ROLE_ARN`` (prod's check role),
+    ``BASELINE_REGION`` and ``BASELINE_ENDPOINT`` (prod's decision endpoint). Runs as the stage's check role, after
+    ``semif_tools_install_commands``; reads the baseline as prod's check role.
 
     Whether the baseline exists is asked with a listing of exactly that key (ListObjectsV2, which an ``s3:prefix``
     condition governs), not read from a GetObject error: without an unconditional s3:ListBucket, S3 answers a missing
-    object with 403, as it answers a refused one. A listing that fails fails the step; a baseline that is listed is
-    read without ``--allow-missing-baseline``, so a baseline that cannot be read fails it too.
+    object with 403, as it answers a refused one. A listing that fails fails the step. No baseline is a first release
+    only while prod's endpoint does not exist (DescribeEndpoint: "Could not find endpoint"): once prod serves, a
+    missing baseline fails the gate instead of weakening it to the absolute limits.
     """
     return [
-        'report="s3://${MODEL_BUCKET}/${REPORT_PREFIX}${RELEASE_ID}/"; baseline="s3://${MODEL_BUCKET}/${BASELINE_KEY}"; '
-        'keys="$(aws s3api list-objects-v2 --bucket "$MODEL_BUCKET" --prefix "$BASELINE_KEY" '
-        '--query "Contents[].Key" --output text)" || { echo "cannot list ${baseline}: the gate cannot tell a first '
-        'release from a missing baseline" >&2; exit 1; }; '
-        'if printf "%s\\n" $keys | grep -qxF "$BASELINE_KEY"; then echo "baseline: ${baseline} (the release prod runs)"; '
-        'set -- --baseline "$baseline"; '
-        'else echo "no baseline at ${baseline}: a first release, gated on the absolute limits alone"; set --; fi; '
+        *second_role(BASELINE_PROFILE, "BASELINE_ROLE_ARN", "BASELINE_REGION"),
+        'report="s3://${MODEL_BUCKET}/${REPORT_PREFIX}${RELEASE_ID}/"; baseline="s3://${BASELINE_BUCKET}/${BASELINE_KEY}"; '
+        f'keys="$(aws --profile {BASELINE_PROFILE} s3api list-objects-v2 --bucket "$BASELINE_BUCKET" '
+        '--prefix "$BASELINE_KEY" --query "Contents[].Key" --output text)" || { echo "cannot list ${baseline}: the gate '
+        'cannot tell a first release from a missing baseline" >&2; exit 1; }; '
+        'if printf "%s\\n" $keys | grep -qxF "$BASELINE_KEY"; then '
+        f'aws --profile {BASELINE_PROFILE} s3 cp "$baseline" baseline-report.json --only-show-errors || '
+        '{ echo "cannot read ${baseline}" >&2; exit 1; }; echo "baseline: ${baseline} (the release prod runs)"; '
+        'set -- --baseline baseline-report.json; '
+        f'elif serving="$(aws --profile {BASELINE_PROFILE} sagemaker describe-endpoint --endpoint-name '
+        '"$BASELINE_ENDPOINT" --query EndpointStatus --output text 2>&1)"; then '
+        'echo "no baseline at ${baseline}, but ${BASELINE_ENDPOINT} exists (${serving}): prod runs a release the gate '
+        'cannot compare with; restore its report there (docs/how-to/release-gate.md, When the baseline is missing)" '
+        '>&2; exit 1; '
+        'else case "$serving" in *"Could not find endpoint"*) echo "no baseline at ${baseline} and no '
+        '${BASELINE_ENDPOINT}: a first release, gated on the absolute limits alone"; set -- ;; '
+        '*) echo "cannot tell whether ${BASELINE_ENDPOINT} exists (${serving}): a missing baseline is a first release '
+        'only before prod serves" >&2; exit 1 ;; esac; fi; '
         'status=0; '
         f'{SEMIF_TOOLS_VENV}/bin/semif-eval "s3://${{MODEL_BUCKET}}/${{EVAL_DATA_KEY}}" --endpoint "$ENDPOINT_NAME" '
         '--region "$AWS_DEFAULT_REGION" --no-contextual --no-progress --kms-key-id "$MODEL_KEY_ARN" --out "$report" '
@@ -227,18 +276,21 @@ def load_check_commands() -> list[str]:
 
 def promote_baseline_commands() -> list[str]:
     """Once prod runs the release and answered its smoke test: the report the gate passed becomes the next release's
-    baseline. Reads ``MODEL_BUCKET`` (the gated stage's bucket), ``REPORT_PREFIX``, ``RELEASE_ID`` and
-    ``BASELINE_KEY``; runs as the gated stage's check role. The report is checked to carry a passing verdict first,
-    and the file checked is the one written; S3 encrypts it with the bucket's default key (the model key)."""
+    baseline. Reads ``MODEL_BUCKET`` (the gated stage's bucket), ``REPORT_PREFIX`` and ``RELEASE_ID``, as the gated
+    stage's check role; writes ``s3://$BASELINE_BUCKET/$BASELINE_KEY`` (prod's bucket) as ``BASELINE_ROLE_ARN``
+    (prod's check role) in ``BASELINE_REGION``. The report is checked to carry a passing verdict first, and the file
+    checked is the one written; S3 encrypts it with the bucket's default key (prod's model key)."""
     return [
+        *second_role(BASELINE_PROFILE, "BASELINE_ROLE_ARN", "BASELINE_REGION"),
         'report="s3://${MODEL_BUCKET}/${REPORT_PREFIX}${RELEASE_ID}/report.json"; '
-        'baseline="s3://${MODEL_BUCKET}/${BASELINE_KEY}"',
+        'baseline="s3://${BASELINE_BUCKET}/${BASELINE_KEY}"',
         'aws s3 cp "$report" gated-report.json --only-show-errors || { echo "no readable report at ${report}: '
         'this execution\'s gate wrote none, or it cannot be read (to this role S3 answers a missing object with 403)" '
         '>&2; exit 1; }',
         "python3 -c \"import json; g = json.load(open('gated-report.json')).get('gate') or {}; "
         "assert g.get('passed') is True, 'the report carries no passing gate verdict: not promoted'; "
         "print('gate verdict: passed')\"",
-        'aws s3 cp gated-report.json "$baseline" --content-type application/json --only-show-errors',
+        f'aws --profile {BASELINE_PROFILE} s3 cp gated-report.json "$baseline" --content-type application/json '
+        '--only-show-errors',
         'echo "prod runs this release: ${report} is the baseline now (${baseline})"',
     ]

@@ -2,12 +2,15 @@
 after its smoke test, and, once the prod stage after it runs the release, the promotion of the gated report to the
 baseline the next release is compared with.
 
-The model bucket of the checked stage holds everything they read and write:
+The model bucket of the checked stage holds what they read and write there:
 
     eval/decisions.jsonl                        the labeled decisions (JSON Lines, KMS), uploaded by the operator
     reports/<stage>/<execution id>/report.json  the gate's report with its verdict under `gate` (and PNGs)
     reports/<stage>/<execution id>/loadcheck.json
-    reports/<prod stage>/report.json            the baseline: the gated report of the release prod runs now
+
+and prod's model bucket, which is retained and outlives a torn-down staging, the baseline:
+
+    reports/<prod stage>/report.json            the gated report of the release prod runs now
 
 The steps' commands are in ``stacks.pipeline_steps``; ``app.py`` builds these from the typed config.
 """
@@ -45,22 +48,43 @@ def baseline_key(baseline_stage: str) -> str:
 
 @dataclass(frozen=True)
 class ReleaseCheckAccess:
-    """What the checked stage's check role may do in its model bucket (``SharedStack(check_reads=…)``)."""
+    """What an environment's check role may do in its own model bucket (``SharedStack(check_reads=…)``)."""
 
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     lists: tuple[str, ...]
 
     @classmethod
-    def for_stage(cls, *, data_key: str, stage: str, baseline_stage: str) -> "ReleaseCheckAccess":
+    def for_stage(cls, *, data_key: str, stage: str) -> "ReleaseCheckAccess":
+        """The checked stage: the labeled data, and this stage's reports (the promotion reads the gated one)."""
+        return cls(reads=(data_key, report_prefix(stage)), writes=(report_prefix(stage),), lists=())
+
+    @classmethod
+    def for_baseline(cls, *, baseline_stage: str) -> "ReleaseCheckAccess":
+        """The stage the gate compares with (prod): its baseline, read, written and listed (exactly its key: whether
+        a first release is running) in its own bucket, which is kept when the checked stage is torn down."""
         baseline = baseline_key(baseline_stage)
-        return cls(
-            # The labeled data, the baseline, and this stage's reports (the promotion reads the gated one).
-            reads=(data_key, baseline, report_prefix(stage)),
-            # The reports, and the baseline the promotion writes.
-            writes=(report_prefix(stage), baseline),
-            # Exactly the baseline's key: whether a first release is running.
-            lists=(baseline,))
+        return cls(reads=(baseline,), writes=(baseline,), lists=(baseline,))
+
+    def __add__(self, other: "ReleaseCheckAccess") -> "ReleaseCheckAccess":
+        return ReleaseCheckAccess(reads=self.reads + other.reads, writes=self.writes + other.writes,
+                                  lists=self.lists + other.lists)
+
+
+@dataclass(frozen=True)
+class BaselinePlace:
+    """Where the baseline lives and who may read it: the baseline stage's model bucket, acted on as that stage's
+    check role (``role_arn``) in its region; its decision endpoint tells a first release from a lost baseline."""
+
+    bucket: str
+    key: str
+    role_arn: str
+    region: str
+    endpoint_name: str
+
+    def env(self) -> dict[str, str]:
+        return {"BASELINE_BUCKET": self.bucket, "BASELINE_KEY": self.key, "BASELINE_ROLE_ARN": self.role_arn,
+                "BASELINE_REGION": self.region, "BASELINE_ENDPOINT": self.endpoint_name}
 
 
 @dataclass(frozen=True)
@@ -79,14 +103,14 @@ class LoadPlan:
         return math.ceil(self.duration_s + 2 * (self.max_elapsed_s + self.request_timeout_s))
 
 
-def gate_and_load_checks(*, model_bucket: str, data_key: str, endpoint_name: str, stage: str, baseline_stage: str,
+def gate_and_load_checks(*, model_bucket: str, data_key: str, endpoint_name: str, stage: str, baseline: BaselinePlace,
                          gate_limits_json: str, load: LoadPlan) -> list[StageCheck]:
     """The gate, then the load check, on ``stage``'s decision endpoint ``endpoint_name``."""
     common = {"MODEL_BUCKET": model_bucket, "EVAL_DATA_KEY": data_key, "ENDPOINT_NAME": endpoint_name,
               "REPORT_PREFIX": report_prefix(stage), "RELEASE_ID": RELEASE_ID}
     outputs = {"MODEL_KEY_ARN": MODEL_KEY_OUTPUT}
     gate = StageCheck(name=GATE_STEP, install_commands=semif_tools_install_commands(), commands=gate_commands(),
-                      env={**common, "BASELINE_KEY": baseline_key(baseline_stage), "GATE_LIMITS": gate_limits_json},
+                      env={**common, **baseline.env(), "GATE_LIMITS": gate_limits_json},
                       env_from_outputs=outputs, timeout=Duration.hours(1))
     load_check = StageCheck(
         name=LOAD_STEP, install_commands=semif_tools_install_commands(), commands=load_check_commands(),
@@ -98,10 +122,10 @@ def gate_and_load_checks(*, model_bucket: str, data_key: str, endpoint_name: str
     return [gate, load_check]
 
 
-def promote_check(*, model_bucket: str, stage: str, baseline_stage: str, role_arn: str, region: str) -> StageCheck:
-    """In ``baseline_stage`` (prod), after its smoke test: ``stage``'s gated report becomes the baseline, acting as
-    ``stage``'s check role (``role_arn``) in its bucket."""
+def promote_check(*, model_bucket: str, stage: str, baseline: BaselinePlace, role_arn: str, region: str) -> StageCheck:
+    """In the baseline stage (prod), after its smoke test: ``stage``'s gated report, read as ``stage``'s check role
+    (``role_arn``) in its bucket, becomes the baseline in ``baseline``'s bucket, written as prod's check role."""
     return StageCheck(name=PROMOTE_STEP, commands=promote_baseline_commands(), role_arn=role_arn, region=region,
                       env={"MODEL_BUCKET": model_bucket, "REPORT_PREFIX": report_prefix(stage),
-                           "RELEASE_ID": RELEASE_ID, "BASELINE_KEY": baseline_key(baseline_stage)},
+                           "RELEASE_ID": RELEASE_ID, **baseline.env()},
                       timeout=Duration.minutes(15))

@@ -137,6 +137,23 @@ def test_missing_stack_outputs_name_the_parameters_and_the_deploy_command(aws):
         batch.run_job(run_args(endpoint_stack="staging"), session=aws, console=quiet())
 
 
+def test_a_gpu_environments_batch_model_is_refused_before_anything_is_written_or_started(aws):
+    """Batch Transform GPU hosts run driver 470 or 535; the adapter's CUDA 13 image needs 580 or newer."""
+    sagemaker = aws.client("sagemaker")
+    sagemaker.create_model(ModelName="GpuBatchModel", ExecutionRoleArn=ROLE_ARN, PrimaryContainer={
+        "Image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/semif@sha256:" + "cd" * 32,
+        "Environment": {"SEMIF_REQUIRE_GPU": "1", "SEMIF_N_GPU_LAYERS": "-1"}})
+    aws.client("ssm").put_parameter(Name="/semif/test/decision/batch-model-name", Value="GpuBatchModel",
+                                    Type="String", Overwrite=True)
+    s3 = aws.client("s3")
+    s3.put_object(Bucket=BUCKET, Key="uploads/tickets.jsonl", Body="\n".join(records(4)).encode())
+    with pytest.raises(batch.BatchError, match=r"GPU image \(SEMIF_REQUIRE_GPU=1\).*CUDA 13.*driver 470 or 535.*"
+                                               r"semif-batch local --url"):
+        batch.run_job(run_args(), session=aws, console=quiet())
+    assert sagemaker.list_transform_jobs()["TransformJobSummaries"] == []
+    assert "batch/" not in " ".join(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET).get("Contents", []))
+
+
 def test_run_waits_with_progress_and_ends_with_records_answers_error_codes_and_the_output(aws, monkeypatch):
     s3 = aws.client("s3")
     s3.put_object(Bucket=BUCKET, Key="uploads/tickets.jsonl", Body=("\n".join(records(5)) + "\n").encode())
@@ -263,3 +280,19 @@ def test_mini_batches_keep_every_line_in_order_within_both_limits(lines, max_byt
 def test_a_body_splits_back_into_its_records_whatever_the_line_ending(records):
     assert split_lines(b"\n".join(records) + b"\n") == records
     assert split_lines(b"\r\n".join(records) + b"\r\n") == records
+
+
+def test_requests_keeps_a_row_whose_strings_hold_line_and_paragraph_separators(tmp_path):
+    """JSON Lines end at "\\n" only: U+2028 and U+2029 are legal, unescaped, inside a JSON string."""
+    state = "First line\u2028second line\u2029third line\x85fourth"
+    rows = [{"id": "a", "state": state, "question": "Which queue?", "options": [{"id": "billing"}, {"id": "shipping"}],
+             "answer": "billing"},
+            {"id": "b", "state": "Plain.", "question": "Which queue?", "options": [{"id": "billing"}, {"id": "shipping"}],
+             "answer": "shipping"}]
+    labeled = tmp_path / "labeled.jsonl"
+    labeled.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    assert "\u2028" in labeled.read_text(encoding="utf-8")
+    out = tmp_path / "requests.jsonl"
+    assert batch.main(["requests", str(labeled), "-o", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").split("\n") if line]
+    assert [r["decision"]["state"] for r in records] == [state, "Plain."]

@@ -266,25 +266,40 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_else():
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 
-# The stand-ins keep ECR's state for the one tag in $STUB_STATE: `docker push` stores it with the media type the
-# daemon would write ($PUSHED_MEDIA_TYPE, default a Docker manifest), `batch-delete-image` removes it.
+# The stand-ins keep ECR's state for two tags: the immutable image tag in $STUB_STATE and its mutable candidate-<tag>
+# in $STUB_STATE.candidate. A push (`docker push`, or the image exporter's) stores the candidate with the media type the
+# daemon would write ($PUSHED_MEDIA_TYPE, default a Docker manifest); `put-image` tags the candidate's manifest, and is
+# refused on a tag that exists (the repository is immutable but for candidate-*). ECR has no delete here: the build role
+# may not delete.
 STUB = """#!/usr/bin/env bash
 printf '%s\\n' "$(basename "$0") $*" >> "$STUB_LOG"
 state="$STUB_STATE"
+candidate="$STUB_STATE.candidate"
+digest="sha256:$(printf 'a%.0s' {1..64})"
 case "$(basename "$0") $*" in
   "aws ecr get-login-password"*) echo secret ;;
   "docker login"*) cat > /dev/null ;;
   "docker info"*) echo "${IMAGE_STORE:-}" ;;
-  "docker buildx build"*"push=true"*) echo "${PUSHED_MEDIA_TYPE:-$DOCKER_MANIFEST}" > "$state" ;;
+  "docker buildx build"*"push=true"*) echo "${PUSHED_MEDIA_TYPE:-$DOCKER_MANIFEST}" > "$candidate" ;;
   "docker push"*cache*) ;;
-  "docker push"*)
-    if [ -n "$PUSH_RACE" ]; then echo "$DOCKER_MANIFEST" > "$state"; echo "tag already exists" >&2; exit 1; fi
+  "docker push"*candidate-*)
     [ -z "$PUSH_FAILS" ] || { echo "denied" >&2; exit 1; }
-    echo "${PUSHED_MEDIA_TYPE:-$DOCKER_MANIFEST}" > "$state" ;;
-  "aws ecr batch-delete-image"*) rm -f "$state" ;;
-  "aws ecr describe-images"*"imageManifestMediaType"*) cat "$state" ;;
-  "aws ecr describe-images"*"--query"*) echo "sha256:$(printf 'a%.0s' {1..64})" ;;
+    echo "${PUSHED_MEDIA_TYPE:-$DOCKER_MANIFEST}" > "$candidate" ;;
+  "docker push"*) echo "an immutable tag was pushed directly" >&2; exit 1 ;;
+  "aws ecr batch-delete-image"*) echo "AccessDenied: ecr:BatchDeleteImage" >&2; exit 254 ;;
+  "aws ecr describe-images"*candidate-*"imageManifestMediaType,imageDigest"*)
+    [ -f "$candidate" ] || exit 254; printf '%s\\t%s\\n' "$(cat "$candidate")" "$digest" ;;
+  "aws ecr describe-images"*"imageManifestMediaType"*) [ -f "$state" ] || exit 254; cat "$state" ;;
+  "aws ecr describe-images"*"--query"*) [ -f "$state" ] || exit 254; echo "$digest" ;;
   "aws ecr describe-images"*) [ -f "$state" ] || exit 254 ;;
+  "aws ecr batch-get-image"*"imageDigest=$digest"*"--output json"*)
+    [ -f "$candidate" ] || exit 254; echo '"{\\n   \\"schemaVersion\\": 2\\n}"' ;;
+  "aws ecr put-image"*)
+    if [ -n "$PUSH_RACE" ]; then echo "$DOCKER_MANIFEST" > "$state"; fi
+    [ ! -f "$state" ] || { echo "ImageTagAlreadyExistsException" >&2; exit 254; }
+    args="$*"; manifest="${args##*--image-manifest file://}"; manifest="${manifest%% *}"
+    [ "$(cat "$manifest")" = "$(printf '{\\n   \\"schemaVersion\\": 2\\n}')" ] || { echo "not the manifest ECR stored" >&2; exit 254; }
+    cp "$candidate" "$state" ;;
 esac
 """
 
@@ -294,7 +309,7 @@ def run_buildspec(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str], 
     of the ones before, a failing command ends its phase, and post_build runs only while the build is succeeding.
 
     ``env`` may hold ``EXISTING_MEDIA_TYPE`` (the tag is already in ECR, stored so), ``PUSHED_MEDIA_TYPE``,
-    ``PUSH_RACE`` (another build pushes the tag first) and ``PUSH_FAILS``."""
+    ``PUSH_RACE`` (another build tags the image first) and ``PUSH_FAILS``."""
     spec = yaml.safe_load(BUILDSPEC.read_text())
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -310,7 +325,10 @@ def run_buildspec(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str], 
     # CodeBuild runs each command as a script of its own: plain variables and the working directory carry over to
     # the next command, shell functions and arrays do not. Each command here runs in its own bash, started from
     # the plain variables the previous one left.
-    carried = tmp_path / "carried.sh"
+    # Outside the build context (tmp_path): build-image.sh hashes every file there into the tag.
+    steps_dir = tmp_path.parent / f"{tmp_path.name}-steps"
+    steps_dir.mkdir(exist_ok=True)
+    carried = steps_dir / "carried.sh"
     carried.write_text("CODEBUILD_BUILD_SUCCEEDING=1\n")
     save = ("for _v in $(compgen -v); do case \"$(declare -p \"$_v\" 2>/dev/null)\" in "
             "'declare -- '*|'declare -x '*) declare -p \"$_v\" | sed 's/^declare -[-x] //' ;; esac; done "
@@ -318,12 +336,12 @@ def run_buildspec(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str], 
     lines = []
     for phase in ("install", "pre_build", "build", "post_build"):
         for number, command in enumerate(spec["phases"].get(phase, {}).get("commands", []), 1):
-            step = tmp_path / f"{phase}-{number}.sh"
+            step = steps_dir / f"{phase}-{number}.sh"
             step.write_text(f"source {carried}\n{command}\n_rc=$?\n{save}\nexit $_rc\n")
             lines.append(f'bash {step} || {{ echo "FAILED {phase} command {number}" >&2; exit 1; }}')
     exported = spec["env"]["exported-variables"]
     lines.append(f"source {carried}\n" + "".join(f'echo "EXPORT {name}=${{{name}}}"\n' for name in exported))
-    script = tmp_path / "build.sh"
+    script = steps_dir / "build.sh"
     script.write_text("\n".join(lines))
     log = tmp_path / "stub.log"
     log.touch()
@@ -342,6 +360,10 @@ BUILD_ENV = {
     "CODEBUILD_RESOLVED_SOURCE_VERSION": "0a6b83b",
 }
 IMAGE_REF = "111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter:inputs-3f9a1c"
+CANDIDATE_REF = "111122223333.dkr.ecr.eu-west-1.amazonaws.com/semif/adapter:candidate-inputs-3f9a1c"
+PUT_IMAGE = ("aws ecr put-image --region eu-west-1 --repository-name semif/adapter --image-tag inputs-3f9a1c "
+             "--image-digest sha256:" + "a" * 64 + " --image-manifest file://candidate-manifest.json "
+             f"--image-manifest-media-type {DOCKER_MANIFEST}")
 
 
 def _builds(calls: list[str]) -> list[list[str]]:
@@ -380,9 +402,9 @@ def test_buildspec_logs_in_to_both_registries_builds_from_the_pinned_base_and_pu
     assert f"BASE_IMAGE={DLC_CPU}" in build  # exactly the digest config pinned: no pull-then-pin of a moving tag
     assert "BASE_IMAGE_DIGEST=sha256:" + "b" * 64 in build
     assert "SOURCE_REVISION=0a6b83b" in build and "IMAGE_INPUT_HASH=inputs-3f9a1c" in build
-    assert build[build.index("--tag") + 1] == IMAGE_REF
+    assert build[build.index("--tag") + 1] == CANDIDATE_REF
     assert build[-1] == "."
-    assert f"docker push {IMAGE_REF}" in calls
+    assert calls.index(f"docker push {CANDIDATE_REF}") < calls.index(PUT_IMAGE)
     assert not [c for c in calls if c.startswith("docker pull")]
     digest = "sha256:" + "a" * 64
     assert exports["IMAGE_DIGEST"] == digest
@@ -409,27 +431,39 @@ def test_the_image_is_built_by_the_daemons_own_buildkit_without_attestations(tmp
         assert not [a for a in build if a.startswith(("--push", "--output", "--cache-to"))]
 
 
-def test_a_push_stored_as_an_oci_index_fails_the_build_and_removes_the_tag(tmp_path):
+def test_a_push_stored_as_an_oci_index_fails_the_build_before_the_immutable_tag_exists(tmp_path):
+    """The media type is read from the mutable candidate tag: the immutable tag is never made for an image SageMaker
+    refuses, so nothing has to be deleted (the build role may not delete)."""
     code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "PUSHED_MEDIA_TYPE": OCI_INDEX})
 
     assert code != 0
     assert OCI_INDEX in stderr and "accepts only" in stderr and DOCKER_MANIFEST in stderr
-    # The tag is immutable: left in place, every later run would find it and never build a usable image.
-    assert "aws ecr batch-delete-image --region eu-west-1 --repository-name semif/adapter --image-ids " \
-           "imageTag=inputs-3f9a1c" in calls
+    assert f"docker push {CANDIDATE_REF}" in calls
+    assert not [c for c in calls if c.startswith(("aws ecr put-image", "aws ecr batch-delete-image"))]
     assert not (tmp_path / "ecr-tag").exists()
     assert not (tmp_path / "image-detail.json").exists() and "IMAGE_DIGEST" not in {k for k, v in exports.items() if v}
 
 
-def test_an_existing_tag_sagemaker_would_refuse_is_removed_and_built_again(tmp_path):
-    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "EXISTING_MEDIA_TYPE": OCI_INDEX})
+def test_the_immutable_tag_is_the_checked_candidates_manifest_put_byte_for_byte(tmp_path):
+    code, calls, exports, stderr = run_buildspec(tmp_path, BUILD_ENV)
 
     assert code == 0, stderr
-    delete = calls.index("aws ecr batch-delete-image --region eu-west-1 --repository-name semif/adapter "
-                         "--image-ids imageTag=inputs-3f9a1c")
-    assert delete < calls.index(f"docker push {IMAGE_REF}")
-    assert json.loads((tmp_path / "image-detail.json").read_text())["skipped"] is False
+    check = calls.index("aws ecr describe-images --region eu-west-1 --repository-name semif/adapter --image-ids "
+                        "imageTag=candidate-inputs-3f9a1c --query imageDetails[0].[imageManifestMediaType,imageDigest] "
+                        "--output text")
+    assert calls.index(f"docker push {CANDIDATE_REF}") < check < calls.index(PUT_IMAGE)
     assert (tmp_path / "ecr-tag").read_text().strip() == DOCKER_MANIFEST
+    assert not [c for c in calls if c.startswith("docker push") and c.endswith(":inputs-3f9a1c")]
+
+
+def test_an_existing_tag_sagemaker_would_refuse_fails_with_the_command_that_deletes_it(tmp_path):
+    """Such a tag predates the candidate check; the build may not delete it, and an immutable tag cannot be replaced."""
+    code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "EXISTING_MEDIA_TYPE": OCI_INDEX})
+
+    assert code != 0
+    assert ("aws ecr batch-delete-image --region eu-west-1 --repository-name semif/adapter --image-ids "
+            "imageTag=inputs-3f9a1c" in " ".join(stderr.split()))
+    assert not [c for c in calls if c.startswith(("docker buildx", "docker push", "aws ecr batch-delete-image"))]
 
 
 def test_buildspec_with_an_already_pushed_tag_builds_nothing_and_still_exports_the_digest(tmp_path):
@@ -442,10 +476,11 @@ def test_buildspec_with_an_already_pushed_tag_builds_nothing_and_still_exports_t
     assert json.loads((tmp_path / "image-detail.json").read_text())["skipped"] is True
 
 
-def test_a_build_that_loses_the_push_to_a_build_of_the_same_inputs_reports_that_image(tmp_path):
+def test_a_build_that_loses_the_tag_to_a_build_of_the_same_inputs_reports_that_image(tmp_path):
     code, calls, exports, stderr = run_buildspec(tmp_path, {**BUILD_ENV, "PUSH_RACE": "1"})
 
     assert code == 0, stderr
+    assert PUT_IMAGE in calls
     assert exports["IMAGE_DIGEST"] == "sha256:" + "a" * 64
     assert not [c for c in calls if c.startswith("aws ecr batch-delete-image")]
 
@@ -464,8 +499,9 @@ def test_on_the_containerd_image_store_the_exporter_pushes_with_docker_media_typ
                                                             "IMAGE_STORE": "io.containerd.snapshotter.v1"})
     assert code == 0, stderr
     build = _buildx(calls)
-    assert build[build.index("--output") + 1] == f"type=image,name={IMAGE_REF},push=true,oci-mediatypes=false"
-    assert "--load" not in build and f"docker push {IMAGE_REF}" not in calls
+    assert build[build.index("--output") + 1] == f"type=image,name={CANDIDATE_REF},push=true,oci-mediatypes=false"
+    assert "--load" not in build and not [c for c in calls if c.startswith("docker push")]
+    assert PUT_IMAGE in calls
     assert "--provenance=false" in build and exports["IMAGE_DIGEST"] == "sha256:" + "a" * 64
 
 
@@ -526,7 +562,7 @@ def test_the_layer_cache_keeps_the_compile_stage_and_the_image_per_variant(tmp_p
     assert sources == [f"type=registry,ref={cache}:cuda-builder", f"type=registry,ref={cache}:cuda"]
     assert "BUILDKIT_INLINE_CACHE=1" in build and f"{cache}:cuda" in build
     assert f"docker push {cache}:cuda-builder" in calls and f"docker push {cache}:cuda" in calls
-    assert calls.index(f"docker push {IMAGE_REF}") < calls.index(f"docker push {cache}:cuda")
+    assert calls.index(f"docker push {CANDIDATE_REF}") < calls.index(f"docker push {cache}:cuda")
 
 
 def test_the_default_tag_is_a_hash_of_the_build_inputs(tmp_path):

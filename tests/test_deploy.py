@@ -380,3 +380,69 @@ def test_an_example_account_left_where_a_stack_would_trust_it_stops_the_command(
     mine = dataclasses.replace(dev, text=dataclasses.replace(
         dev.text, client_role_arns=("arn:aws:iam::444455556666:role/my-chat-app",)))
     check_account(caller(), mine, no_pipeline)  # nothing left to refuse
+
+
+def test_up_bootstraps_builds_uploads_deploys_and_smokes_in_order_and_every_cdk_call_synthesizes(adapter_answer, tmp_path):
+    """The whole `make deploy` against stubbed AWS: a fresh account (no bootstrap), an image already built from the
+    same sources, a model already in the bucket. Every CDK CLI call it makes carries what synth needs: the app is
+    synthesized with exactly those contexts (the CLI synthesizes even for `cdk bootstrap`)."""
+    import argparse
+
+    from config import load_settings
+    from deploy.__main__ import Cdk, up
+    from stacks import image_stack
+
+    settings = load_settings()
+    env = settings.environment("dev")
+    tag = image_tag(PROJECT, BASE_IMAGE)
+    clients = {}
+    for service in ("ssm", "ecr", "cloudformation", "codebuild", "s3", "sagemaker-runtime"):
+        clients[service] = stubbed(service)
+    clients["ecr"][1].add_response("batch_get_image", {"images": [{"imageId": {"imageDigest": DLC_DIGEST}}]})
+    clients["ssm"][1].add_client_error("get_parameter", service_error_code="ParameterNotFound")
+    clients["cloudformation"][1].add_response("describe_stacks", {"Stacks": [{
+        "StackName": "semif-dev-image", "CreationTime": "2026-12-06T00:00:00Z", "StackStatus": "CREATE_COMPLETE",
+        "Outputs": [{"OutputKey": image_stack.output_project("cpu"), "OutputValue": PROJECT.project_name},
+                    {"OutputKey": image_stack.OUTPUT_REPOSITORY_URI, "OutputValue": PROJECT.repository_uri},
+                    {"OutputKey": image_stack.OUTPUT_SOURCE_HASH, "OutputValue": PROJECT.source_hash}]}]},
+        {"StackName": "semif-dev-image"})
+    clients["ecr"][1].add_response("describe_images", {"imageDetails": [
+        {"imageDigest": BUILT_DIGEST, "imageManifestMediaType": DOCKER_MANIFEST}]},
+        {"repositoryName": "semif/dev/adapter", "imageIds": [{"imageTag": tag}]})
+    clients["s3"][1].add_response("head_object", {}, {"Bucket": "semif-dev-models-111111111111-us-east-1",
+                                                      "Key": "models/smollm2-135m-instruct-q4_1/1/model-manifest.json"})
+    _invoke(clients["sagemaker-runtime"][1], adapter_answer)
+
+    class Session:
+        def client(self, name):
+            return clients[name][0]
+
+    calls = []
+    for _, stub in clients.values():
+        stub.activate()
+    up(argparse.Namespace(build_timeout_min=200, no_smoke=False), Session(), settings, env,
+       Cdk(run=lambda argv: calls.append(argv) or 0))
+    for _, stub in clients.values():
+        stub.assert_no_pending_responses()
+
+    verbs = [argv[argv.index("cdk") + 1] for argv in calls]
+    assert verbs == ["bootstrap", "deploy", "deploy"]
+    assert calls[0][-1] == "aws://111111111111/us-east-1"
+    assert calls[1][-2:] == ["SemIf-dev-Shared", "SemIf-dev-Image"] and "--all" in calls[2]
+    sys.path.insert(0, str(REPO / "tests" / "cdk"))
+    from cdk_testing import synth_real_app
+
+    for number, argv in enumerate(calls):
+        contexts = dict(argv[i + 1].split("=", 1) for i, word in enumerate(argv) if word == "-c")
+        assert contexts["dlc-image-cpu"] == DLC_DIGEST
+        synth_real_app(tmp_path / str(number), **contexts)  # raises on a missing digest, a nag finding, …
+    assert dict(a.split("=", 1) for a in calls[2] if a.startswith("adapter-image-"))["adapter-image-cpu"] == BUILT_DIGEST
+
+
+def test_a_gpu_environment_builds_the_cpu_image_for_its_batch_transform_too():
+    from config import load_settings
+    from deploy.__main__ import variants_of
+
+    settings = load_settings()
+    assert variants_of(settings.environment("dev")) == ["cpu"]
+    assert variants_of(settings.environment("prod")) == ["cpu", "gpu"]

@@ -35,8 +35,8 @@ import json, os, pathlib, sys
 import boto3
 from moto import mock_aws
 
-root = pathlib.Path(os.environ["STUB"]) / "s3"
 bucket = os.environ["MODEL_BUCKET"]
+root = pathlib.Path(os.environ["STUB"]) / "s3" / bucket
 with mock_aws(config={{"core": {{"passthrough": {{"urls": [r"http://127\\.0\\.0\\.1.*"], "services": []}}}}}}):
     s3 = boto3.client("s3", region_name="us-east-1")
     s3.create_bucket(Bucket=bucket)
@@ -46,14 +46,15 @@ with mock_aws(config={{"core": {{"passthrough": {{"urls": [r"http://127\\.0\\.0\
     before = {{o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])}}
     from semif.tools import evaluate
     code = evaluate.main(sys.argv[1:])
-    sse = json.loads((root.parent / "sse.json").read_text()) if (root.parent / "sse.json").exists() else {{}}
+    sse_path = pathlib.Path(os.environ["STUB"]) / "sse.json"
+    sse = json.loads(sse_path.read_text()) if sse_path.exists() else {{}}
     for obj in s3.list_objects_v2(Bucket=bucket).get("Contents", []):
         if obj["Key"] not in before:
             head = s3.head_object(Bucket=bucket, Key=obj["Key"])
             sse[obj["Key"]] = [head.get("ServerSideEncryption"), head.get("SSEKMSKeyId")]
             (root / obj["Key"]).parent.mkdir(parents=True, exist_ok=True)
             (root / obj["Key"]).write_bytes(s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
-    (root.parent / "sse.json").write_text(json.dumps(sse))
+    sse_path.write_text(json.dumps(sse))
 sys.exit(code)
 """
 
@@ -124,7 +125,7 @@ def _gate_run(work: Path, endpoint_url: str, release: str, limits: dict) -> tupl
         code, output = _run_gate(work, endpoint_url, release, limits)
     finally:
         steps.TOOL_STUB = original
-    report_path = work / "stub" / "s3" / "reports" / "staging" / release / "report.json"
+    report_path = work / "stub" / "s3" / steps.BUCKET / "reports" / "staging" / release / "report.json"
     return code, output, json.loads(report_path.read_text()) if report_path.exists() else {}
 
 
@@ -132,7 +133,7 @@ def test_releases_through_the_gate_step_first_release_promotion_comparison_and_a
                                                                                              tmp_path):
     """One bucket across three releases, in the order a pipeline meets them."""
     by_id = {row["id"]: row for row in load_sample_decisions()}
-    data = tmp_path / "stub" / "s3" / "eval" / "decisions.jsonl"
+    data = tmp_path / "stub" / "s3" / steps.BUCKET / "eval" / "decisions.jsonl"
     data.parent.mkdir(parents=True)
     data.write_text("".join(json.dumps(by_id[i]) + "\n" for i in CASE_IDS))
     _SageMakerRuntime.invoked.clear()
@@ -151,17 +152,20 @@ def test_releases_through_the_gate_step_first_release_promotion_comparison_and_a
     assert "reports/staging/release-1/report.json" in written and len(written) >= 2  # the report and its PNGs
     assert all(v == ["aws:kms", steps.KEY_ARN] for v in written.values()), written
 
-    # 2. Prod deployed it and answered its smoke test: the promotion makes it the baseline.
-    code, _, output = steps.run_step(tmp_path, promote_baseline_commands(), {**steps.COMMON, "RELEASE_ID": "release-1"})
+    # 2. Prod deployed it and answered its smoke test: the promotion makes it the baseline, in prod's bucket.
+    code, _, output = steps.run_step(tmp_path, promote_baseline_commands(), {**steps.COMMON, "RELEASE_ID": "release-1"},
+                                     prod_endpoint="InService")
     assert code == 0, output
-    assert json.loads((tmp_path / "stub" / "s3" / "reports/prod/report.json").read_text()) == first
+    assert json.loads((tmp_path / "stub" / "s3" / steps.PROD_BUCKET / "reports/prod/report.json").read_text()) == first
 
     # 3. The next release is compared with it, case by case: the same build answers the same.
     code, output, second = _gate_run(tmp_path, staging_endpoint, "release-2", {"change": {"max_changed_share": 0.0}})
     assert code == 0, output
     gate = second["gate"]
     assert gate["baseline_present"] and gate["shared_cases"] == len(CASE_IDS) and gate["changed_cases"] == []
-    assert gate["baseline"]["report"] == f"s3://{steps.BUCKET}/reports/prod/report.json"
+    # Read from prod's bucket as prod's check role; the tool compares with that copy.
+    assert gate["baseline"]["report"] == "baseline-report.json"
+    assert f"baseline: s3://{steps.PROD_BUCKET}/reports/prod/report.json" in output
     assert {c["kind"] for c in gate["checks"]} == {"absolute", "change"}
 
     # 4. A limit the release misses fails the step; the report in the bucket says which.

@@ -167,9 +167,21 @@ def test_prod_decision_endpoint_uses_gpu_pools_and_the_promoted_adapter_image(pr
                 or (r["Type"].startswith("Custom::") and r["Type"] != "Custom::SemIfModelCheck")]
     models = template.find_resources("AWS::SageMaker::Model").values()
     assert len(models) == 2  # the endpoint's and Batch Transform's (docs/how-to/batch-transform.md): pinned and configured alike
+    endpoint_environment = dict(container["Environment"])
+    environments = []
+    # The endpoint runs the GPU image; Batch Transform the CPU image on CPU (tests/cdk/test_one_account.py).
+    assert sorted(_rendered(m["Properties"]["PrimaryContainer"]["Image"]) for m in models) == sorted(
+        [f"{PROD_REPOSITORY}@{GPU_DIGEST}", f"{PROD_REPOSITORY}@{CPU_DIGEST}"])
     for model in models:
-        assert _rendered(model["Properties"]["PrimaryContainer"]["Image"]) == f"{PROD_REPOSITORY}@{GPU_DIGEST}"
-        assert model["Properties"]["PrimaryContainer"]["Environment"] == container["Environment"]
+        environment = dict(model["Properties"]["PrimaryContainer"]["Environment"])
+        if environment["SEMIF_IMAGE_DIGEST"] == CPU_DIGEST:  # the batch Model: no GPU, its own digest
+            assert environment.pop("SEMIF_N_GPU_LAYERS") == "0" and "SEMIF_REQUIRE_GPU" not in environment
+            environment.update(SEMIF_IMAGE_DIGEST=GPU_DIGEST, SEMIF_REQUIRE_GPU="1",
+                               SEMIF_N_GPU_LAYERS=endpoint_environment["SEMIF_N_GPU_LAYERS"])
+        environments.append(environment)
+    # Only Batch Transform's Model runs JSON Lines under the batch limits (semif/serving/http/jsonlines.py).
+    assert sorted(str(e.pop("SEMIF_BATCH_TRANSFORM", "")) for e in environments) == ["", "1"]
+    assert environments == [endpoint_environment, endpoint_environment]
 
 
 def test_dev_decision_endpoint_is_cpu_sized_to_its_model(dev_assembly):
@@ -217,7 +229,7 @@ def test_stable_outputs_are_exports_and_changing_ones_are_ssm_parameters_only(pr
 
 def test_endpoint_name_output_is_the_configured_name(prod_assembly):
     outputs = templates(prod_assembly[1])["semif-prod-decision"]["Outputs"]
-    (value,) = [o["Value"] for o in outputs.values() if o["Export"]["Name"] == "semif-prod-decision-endpoint-name"]
+    (value,) = [o["Value"] for o in outputs.values() if o.get("Export", {}).get("Name") == "semif-prod-decision-endpoint-name"]
     assert value == "semif-prod-decision"
 
 
@@ -240,7 +252,7 @@ def test_prod_chat_has_two_instances_its_own_thresholds_and_scales_on_llama_serv
         "InitialInstanceCount": 2, "InstanceType": "ml.g6.xlarge"})]})
     alarms = {a["Properties"]["AlarmName"]: a["Properties"]
               for a in template.find_resources("AWS::CloudWatch::Alarm").values()}
-    assert alarms["semif-prod-chat-latency-p95"]["Threshold"] == 60000 * 1000
+    assert alarms["semif-prod-chat-latency-p95"]["Threshold"] == 55000 * 1000
     (policy,) = template.find_resources("AWS::ApplicationAutoScaling::ScalingPolicy").values()
     assert policy["Properties"]["TargetTrackingScalingPolicyConfiguration"]["TargetValue"] == 2.0  # parallel=2
 
@@ -381,8 +393,14 @@ def test_prod_needs_a_manual_approval_and_a_clean_staging_bake_before_any_deploy
     actions = _actions(pipeline_template, "prod")
     first_deploy = min(a["RunOrder"] for a in actions if a["ActionTypeId"]["Category"] == "Deploy")
     (approval,) = [a for a in actions if a["ActionTypeId"]["Category"] == "Approval"]
-    (bake,) = [a for a in actions if a["Name"].startswith("Bake-staging")]
-    assert approval["RunOrder"] < first_deploy and bake["RunOrder"] < first_deploy
+    assert approval["RunOrder"] < first_deploy
+    # The bake is the last action of staging's own stage, not prod's: while it runs, CodePipeline lets no newer
+    # execution into staging, so the endpoints it watches run the digest prod deploys next.
+    assert not [a for a in actions if a["Name"].startswith("Bake-")]
+    staging = _actions(pipeline_template, "staging")
+    (bake,) = [a for a in staging if a["Name"].startswith("Bake-staging")]
+    assert bake["RunOrder"] == max(a["RunOrder"] for a in staging)
+    assert bake["RunOrder"] > max(a["RunOrder"] for a in staging if a["ActionTypeId"]["Category"] == "Deploy")
     spec = _project(pipeline_template, bake)["Source"]["BuildSpec"]
     assert _project(pipeline_template, bake)["TimeoutInMinutes"] == 30 + 15
     assert "describe-alarms --alarm-names $ALARM_NAMES" in spec and "describe-endpoint" in spec
@@ -440,11 +458,14 @@ def test_each_stage_first_marks_its_digest_and_clears_a_failed_first_create(pipe
     deploys = [a["RunOrder"] for a in actions if a["ActionTypeId"]["Category"] == "Deploy"]
     prepares = [a["RunOrder"] for a in actions if a["Name"].endswith(".Prepare")]  # change-set creation
     assert pre_deploy["RunOrder"] < min(deploys + prepares)
-    waits = [a["RunOrder"] for a in actions if a["Name"].startswith(("Approve-", "Bake-"))]
-    assert all(w < pre_deploy["RunOrder"] for w in waits)  # prod: nothing is touched before approval and bake
-    # Its input is the output of the image step of its variant: the digest it deploys.
-    (image_step,) = [a for a in _actions(pipeline_template, "Build") if a["Name"] == f"Image-{variant}"]
-    assert pre_deploy["InputArtifacts"] == image_step["OutputArtifacts"]
+    waits = [a["RunOrder"] for a in actions if a["Name"].startswith("Approve-")]
+    assert all(w < pre_deploy["RunOrder"] for w in waits)  # prod: nothing is touched before approval
+    # Its input is the output of the image step of its variant: the digest it deploys; a GPU stage's also the CPU
+    # image step's, the image its Batch Transform runs.
+    build = {a["Name"]: a for a in _actions(pipeline_template, "Build")}
+    expected = build[f"Image-{variant}"]["OutputArtifacts"] + (build["Image-cpu"]["OutputArtifacts"]
+                                                                if variant == "gpu" else [])
+    assert sorted(a["Name"] for a in pre_deploy["InputArtifacts"]) == sorted(a["Name"] for a in expected)
     variables = _variables(pipeline_template, pre_deploy)
     stacks = [f"semif-{env}-text", f"semif-{env}-decision", f"semif-{env}-shared"]
     assert variables["STACKS"].split() == [s for s in stacks if env != "staging" or not s.endswith("-text")]
@@ -536,6 +557,26 @@ def test_smoke_step_checks_the_answers_of_both_endpoints_after_deploy(pipeline_t
         spec = _project(pipeline_template, smoke)["Source"]["BuildSpec"]
         assert "r['choice'] in ids" in spec and "abs(sum(p)-1)<1e-3" in spec  # the body, not just a 200
         assert "choices'][0]['message']['content']" in spec
+        # The answer names the stage's digest (image.json, the image step's output) ...
+        variant = "cpu" if stage == "dev" else "gpu"
+        (image_step,) = [a for a in _actions(pipeline_template, "Build") if a["Name"] == f"Image-{variant}"]
+        assert smoke["InputArtifacts"] == image_step["OutputArtifacts"]
+        assert "got==want" in spec and "open('image.json')" in spec
+        # ... and the endpoint runs the decision stack's endpoint config, read from its output when the step runs.
+        (config_var,) = [v for v in variables if v["name"] == "ENDPOINT_CONFIG_NAME"]
+        assert config_var["value"].startswith("#{") and config_var["value"].endswith(".DecisionEndpointConfigName}")
+        assert '[ \\"$2\\" = \\"$ENDPOINT_CONFIG_NAME\\" ]' in spec
+
+
+def test_the_decision_stack_outputs_the_endpoint_config_its_endpoint_runs(pipeline_assembly):
+    decision = templates(pipeline_assembly[1])["semif-prod-decision"]
+    output = decision["Outputs"]["DecisionEndpointConfigName"]
+    (config_id,) = [k for k, r in decision["Resources"].items() if r["Type"] == "AWS::SageMaker::EndpointConfig"
+                    and "Decision" in k]
+    assert output["Value"] == {"Fn::GetAtt": [config_id, "EndpointConfigName"]}
+    assert "Export" not in output  # it changes with every image: never importable
+    (endpoint,) = [r for k, r in decision["Resources"].items() if r["Type"] == "AWS::SageMaker::Endpoint"]
+    assert endpoint["Properties"]["EndpointConfigName"] == output["Value"]
 
 
 def test_smoke_check_asserts_on_a_real_decision_body(tmp_path):
@@ -545,12 +586,19 @@ def test_smoke_check_asserts_on_a_real_decision_body(tmp_path):
 
     from stacks.pipeline_stack import CHECK_DECISION
 
-    good = {"option_ids": ["billing", "technical", "sales"], "choice": "billing", "probabilities": [0.7, 0.2, 0.1]}
+    deployed, previous = "sha256:" + "4e" * 32, "sha256:" + "0d" * 32
+    (tmp_path / "image.json").write_text(json.dumps({"imageDigest": deployed}))
+    good = {"option_ids": ["billing", "technical", "sales"], "choice": "billing", "probabilities": [0.7, 0.2, 0.1],
+            "model": {"image_digest": deployed}}
     bad = {**good, "probabilities": [0.7, 0.7, 0.1]}
-    for body, ok in ((good, True), (bad, False), ({"error": "x"}, False)):
+    rolled_back = {**good, "model": {"image_digest": previous}}  # InService, answering, on the old config
+    unrecorded = {k: v for k, v in good.items() if k != "model"}
+    for body, ok in ((good, True), (bad, False), ({"error": "x"}, False), (rolled_back, False), (unrecorded, False)):
         (tmp_path / "response.json").write_text(json.dumps(body))
-        result = subprocess.run([sys.executable, "-c", CHECK_DECISION], cwd=tmp_path, capture_output=True)
+        result = subprocess.run([sys.executable, "-c", CHECK_DECISION], cwd=tmp_path, capture_output=True, text=True)
         assert (result.returncode == 0) is ok, body
+        if body is rolled_back:
+            assert f"answers from image {previous}, not {deployed}" in result.stderr
 
 
 def test_synth_step_runs_the_tests_and_cdk_synth_with_the_built_digests(pipeline_template):
@@ -573,6 +621,25 @@ def test_every_environment_check_role_trusts_the_pipelines_named_check_role_only
                     "aws:PrincipalArn": ["arn:aws:iam::333333333333:role/semif-pipeline-checks"]}}})],
                 "Version": "2012-10-17"},
         })
+
+
+def test_the_central_repository_lets_in_the_roles_that_run_each_stage_model_only(pipeline_template, pipeline_assembly):
+    """Each stage's endpoint and Batch Transform Models pull with roles of fixed names; the repository policy names
+    exactly those (its accounts as principals, the roles by aws:PrincipalArn), not every role of the accounts."""
+    (repository,) = [r["Properties"] for r in pipeline_template["Resources"].values()
+                     if r["Type"] == "AWS::ECR::Repository" and r["Properties"]["RepositoryName"] == "semif/adapter"]
+    (statement,) = repository["RepositoryPolicyText"]["Statement"]
+    pulling = set()
+    for env, account in (("dev", "111111111111"), ("staging", "111111111111"), ("prod", "222222222222")):
+        resources = templates(pipeline_assembly[1])[f"semif-{env}-decision"]["Resources"]
+        for model in (r for r in resources.values() if r["Type"] == "AWS::SageMaker::Model"):
+            role = resources[model["Properties"]["ExecutionRoleArn"]["Fn::GetAtt"][0]]["Properties"]
+            assert len(role["RoleName"]) <= 64
+            pulling.add(f"arn:aws:iam::{account}:role/{role['RoleName']}")
+    assert len(pulling) == 6  # an endpoint and a transform role per stage
+    assert statement["Condition"] == {"ArnEquals": {"aws:PrincipalArn": sorted(pulling)}}
+    assert sorted(_arn_text(p) for p in _as_list(statement["Principal"]["AWS"])) == [
+        "arn:aws:iam::111111111111:root", "arn:aws:iam::222222222222:root"]
 
 
 def _roles_of_stacks(assembly) -> dict[str, set[str]]:

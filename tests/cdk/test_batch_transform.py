@@ -52,7 +52,8 @@ def test_transform_model_runs_the_pinned_image_the_model_data_and_the_adapter_en
     props = model["Properties"]
     container = props["PrimaryContainer"]
     assert container["Image"]["Fn::Join"][1][-1] == f"/semif-adapter@{DIGEST}"  # pinned by digest, like the endpoint
-    assert container["Environment"] == ENVIRONMENT
+    # The endpoint's environment, plus what makes JSON Lines run under the batch limits in this Model only.
+    assert container["Environment"] == {**ENVIRONMENT, "SEMIF_BATCH_TRANSFORM": "1"}
     # CreateTransformJob refuses a Model whose container uses ModelDataSource: a model.tar.gz, beside the prefix.
     assert "ModelDataSource" not in container
     assert container["ModelDataUrl"] == "s3://models-bucket/models/m/1.tar.gz"
@@ -122,12 +123,13 @@ def test_the_decision_stack_publishes_the_batch_model_role_and_default_instance_
     role_id = template["Resources"][batch_model]["Properties"]["ExecutionRoleArn"]["Fn::GetAtt"][0]
     assert params["/semif/dev/decision/batch-role-arn"] == {"Fn::GetAtt": [role_id, "Arn"]}
     assert params["/semif/dev/decision/batch-instance-type"] == "ml.c6i.xlarge"  # dev's endpoint type
-    # The same image (by digest) and environment as the endpoint's Model; the same model, as the tarball beside
-    # the prefix the endpoint serves.
+    # The same image (by digest) and environment as the endpoint's Model (plus the batch limits' switch); the
+    # same model, as the tarball beside the prefix the endpoint serves.
     endpoint_model = next(k for k in models if k != batch_model)
     batch, endpoint = (template["Resources"][k]["Properties"]["PrimaryContainer"] for k in (batch_model, endpoint_model))
-    assert {k: v for k, v in batch.items() if k != "ModelDataUrl"} == {
-        k: v for k, v in endpoint.items() if k != "ModelDataSource"}
+    assert batch["Environment"] == {**endpoint["Environment"], "SEMIF_BATCH_TRANSFORM": "1"}
+    assert {k: v for k, v in batch.items() if k not in ("ModelDataUrl", "Environment")} == {
+        k: v for k, v in endpoint.items() if k not in ("ModelDataSource", "Environment")}
     prefix_uri = endpoint["ModelDataSource"]["S3DataSource"]["S3Uri"]
     assert batch["ModelDataUrl"] == prefix_uri.rstrip("/") + ".tar.gz"
 
@@ -145,9 +147,10 @@ def test_a_tar_gz_model_is_its_own_batch_model_data():
     assert "ModelDataSource" not in container
 
 
-def test_prod_batch_jobs_default_to_the_first_instance_pool(prod_assembly):
+def test_prod_batch_jobs_default_to_a_cpu_instance(prod_assembly):
     _, assembly = prod_assembly
     template = assembly.get_stack_by_name("semif-prod-decision").template
     params = {p["Properties"]["Name"]: p["Properties"]["Value"]
               for p in template["Resources"].values() if p["Type"] == "AWS::SSM::Parameter"}
-    assert params["/semif/prod/decision/batch-instance-type"] == "ml.g6e.xlarge"
+    # Batch Transform's GPU hosts cannot run the CUDA 13 image: a GPU environment batches on CPU.
+    assert params["/semif/prod/decision/batch-instance-type"] == "ml.c6i.xlarge"

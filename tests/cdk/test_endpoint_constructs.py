@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from aws_cdk import App, Environment, Stack, aws_ecr as ecr, aws_iam as iam, aws_kms as kms
@@ -176,6 +177,22 @@ def test_gpu_instances_make_the_adapter_refuse_to_serve_without_a_gpu(stacks):
     cpu = only(stacks["cpu"], "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]["Environment"]
     assert gpu["SEMIF_REQUIRE_GPU"] == "1"
     assert "SEMIF_REQUIRE_GPU" not in cpu
+
+
+def test_the_rollback_latency_alarm_ignores_minutes_with_too_few_requests_for_a_p95(stacks):
+    """A one-minute p95 of two requests is the slower one: without a minimum count, one slow request at low traffic
+    would roll a good release back."""
+    (alarm,) = [a["Properties"] for a in stacks["gpu"].find_resources("AWS::CloudWatch::Alarm").values()
+                if a["Properties"]["AlarmName"] == "gpu-decision-rollback-latency-p95"]
+    metrics = {m["Id"]: m for m in alarm["Metrics"]}
+    (expression,) = [m for m in metrics.values() if "Expression" in m]
+    assert expression["ReturnData"] is True
+    match = re.fullmatch(r"IF\((\w+) >= (\d+), (\w+), 0\)", expression["Expression"])
+    assert match and int(match.group(2)) >= 20
+    count, latency = metrics[match.group(1)]["MetricStat"], metrics[match.group(3)]["MetricStat"]
+    assert count["Metric"]["MetricName"] == latency["Metric"]["MetricName"] == "ModelLatency"
+    assert (count["Stat"], latency["Stat"], count["Period"], latency["Period"]) == ("SampleCount", "p95", 60, 60)
+    assert alarm["ComparisonOperator"] == "GreaterThanThreshold" and alarm["TreatMissingData"] == "notBreaching"
 
 
 def test_gpu_variants_pin_a_host_ami_whose_driver_runs_cuda_13(stacks):
@@ -426,10 +443,32 @@ def test_instance_alarms_cover_cpu_memory_gpu_and_disk(stacks):
 def test_scaling_stuck_at_max_instances_alarms(stacks):
     stuck = _named(stacks["gpu"], "gpu-decision-scaling-at-max")
     assert stuck["Threshold"] == 4 and stuck["EvaluationPeriods"] == 6
-    (expression,) = [m for m in stuck["Metrics"] if "Expression" in m]
-    assert expression["Expression"] == "samples / 5"
-    (samples,) = [m["MetricStat"] for m in stuck["Metrics"] if "MetricStat" in m]
-    assert (samples["Metric"]["MetricName"], samples["Stat"]) == ("CPUUtilization", "SampleCount")
+    stats = {m["Id"]: m["MetricStat"] for m in stuck["Metrics"] if "MetricStat" in m}
+    assert (stats["samples"]["Metric"]["MetricName"], stats["samples"]["Stat"]) == ("CPUUtilization", "SampleCount")
+    # The metric the scaling policy tracks, as the policy sees it.
+    assert (stats["load"]["Metric"]["Namespace"], stats["load"]["Metric"]["MetricName"], stats["load"]["Stat"]) == (
+        "AWS/SageMaker", "ConcurrentRequestsPerModel", "Average")
+
+
+def _scaling_at_max_value(alarm: dict, *, instances: int, load_per_instance: float) -> float:
+    """The alarm's metric math on five minutes of ``instances`` reporting CPUUtilization once a minute."""
+    (expression,) = [m["Expression"] for m in alarm["Metrics"] if "Expression" in m]
+    python = expression.replace("FILL(load, 0)", "load").replace(" AND ", " and ")
+    assert set(re.findall(r"[A-Za-z_]+", python)) <= {"IF", "samples", "load", "and"}, expression
+    return eval(python, {"IF": lambda condition, then, otherwise: then if condition else otherwise,  # noqa: S307
+                         "samples": instances * 5, "load": load_per_instance})
+
+
+def test_an_ordinary_blue_green_deploy_does_not_page_scaling_at_max(stacks):
+    """Two instances of max four, under light load: during the update the new fleet of two reports beside the old
+    one. Only a fleet at max_instances whose requests in flight are at the scaling target pages."""
+    stuck = _named(stacks["gpu"], "gpu-decision-scaling-at-max")
+    deploy = _scaling_at_max_value(stuck, instances=4, load_per_instance=1.0)
+    saturated = _scaling_at_max_value(stuck, instances=4, load_per_instance=5.0)
+    below_max = _scaling_at_max_value(stuck, instances=3, load_per_instance=5.0)
+    assert stuck["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    assert deploy < stuck["Threshold"] and below_max < stuck["Threshold"]
+    assert saturated >= stuck["Threshold"]
 
 
 def test_dashboard_separates_failure_classes_from_latency_and_invocations(stacks):
@@ -568,3 +607,24 @@ def test_adapter_environment_refuses_foreign_and_reserved_variables():
                              adapter_environment=bad, compute=compute(instance_type="ml.c6i.xlarge"),
                              alarm_topic=topic, alarm_thresholds=THRESHOLDS, low_margin_threshold=0.1,
                              log_retention=logs.RetentionDays.ONE_DAY)
+
+
+def test_no_doc_promises_a_type_change_restarts_at_min_instances_while_the_count_is_retained(stacks):
+    """UpdateEndpoint with RetainAllVariantProperties keeps the variant's instance count, whatever the instance type."""
+    from pathlib import Path
+
+    assert only(stacks["gpu"], "AWS::SageMaker::Endpoint")["Properties"]["RetainAllVariantProperties"] is True
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    for page in docs.rglob("*.md"):
+        text = " ".join(page.read_text().split())
+        assert not re.search(r"new fleet starts at `min_instances`", text), page
+
+
+def test_model_role_names_fit_iam_and_keep_environments_and_kinds_apart():
+    from constructs_lib.serving_endpoint import model_role_name
+
+    assert model_role_name("prod", "semif-prod-decision", "endpoint") == "semif-prod-semif-prod-decision-endpoint"
+    longest = "e" * 63  # SageMaker's longest endpoint name
+    names = {model_role_name(env, longest, kind) for env in ("staging", "staging2") for kind in ("endpoint", "transform")}
+    assert len(names) == 4
+    assert all(len(n) <= 64 and re.fullmatch(r"[\w+=,.@-]+", n) for n in names)

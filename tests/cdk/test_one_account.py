@@ -80,13 +80,42 @@ def test_a_failed_first_create_leaves_no_repository_or_key_that_blocks_the_retry
             assert repository["Properties"]["EmptyOnDelete"] is True
 
 
-def test_a_gpu_environment_builds_only_the_cuda_image_without_a_local_cache_on_2xlarge(prod_assembly):
+def test_a_gpu_environment_builds_its_cuda_image_on_2xlarge_without_a_local_cache_and_a_cpu_image_for_batch(prod_assembly):
     image = templates(prod_assembly[1])["semif-prod-image"]
-    (project,) = _resources(image, "AWS::CodeBuild::Project").values()
-    variables = {v["Name"]: v["Value"] for v in project["Properties"]["Environment"]["EnvironmentVariables"]}
+    projects = {p["Properties"]["Name"]: p for p in _resources(image, "AWS::CodeBuild::Project").values()}
+    assert sorted(projects) == ["semif-prod-adapter-image-cpu", "semif-prod-adapter-image-gpu"]
+    gpu = projects["semif-prod-adapter-image-gpu"]["Properties"]
+    variables = {v["Name"]: v["Value"] for v in gpu["Environment"]["EnvironmentVariables"]}
     assert variables["LLAMA_CPP_VARIANT"] == "cuda"
-    assert project["Properties"]["Environment"]["ComputeType"] == "BUILD_GENERAL1_2XLARGE"
-    assert project["Properties"].get("Cache", {"Type": "NO_CACHE"})["Type"] == "NO_CACHE"
+    assert gpu["Environment"]["ComputeType"] == "BUILD_GENERAL1_2XLARGE"
+    assert gpu.get("Cache", {"Type": "NO_CACHE"})["Type"] == "NO_CACHE"
+    cpu = projects["semif-prod-adapter-image-cpu"]["Properties"]
+    assert {v["Name"]: v["Value"] for v in cpu["Environment"]["EnvironmentVariables"]}["LLAMA_CPP_VARIANT"] == "cpu"
+    # Each project logs to a group the stack owns, with the environment's retention.
+    groups = {g["Properties"]["LogGroupName"]: g for g in _resources(image, "AWS::Logs::LogGroup").values()}
+    assert sorted(groups) == ["/aws/codebuild/semif-prod-adapter-image-cpu", "/aws/codebuild/semif-prod-adapter-image-gpu"]
+    assert {g["Properties"]["RetentionInDays"] for g in groups.values()} == {365}
+
+
+def test_batch_transform_runs_the_cpu_image_on_a_cpu_instance_on_a_gpu_environment(prod_assembly, dev_assembly):
+    """Batch Transform's GPU hosts offer drivers 470 and 535 only, which cannot run the CUDA 13 image."""
+    decision = templates(prod_assembly[1])["semif-prod-decision"]
+    models = {k: r["Properties"] for k, r in _resources(decision, "AWS::SageMaker::Model").items()}
+    (batch,) = [m for k, m in models.items() if k.startswith("Batch")]
+    (endpoint,) = [m for k, m in models.items() if not k.startswith("Batch")]
+    assert _rendered(batch["PrimaryContainer"]["Image"]).endswith(f"semif/prod/adapter@{CPU_DIGEST}")
+    assert _rendered(endpoint["PrimaryContainer"]["Image"]).endswith(f"semif/prod/adapter@{GPU_DIGEST}")
+    environment = batch["PrimaryContainer"]["Environment"]
+    assert environment["SEMIF_N_GPU_LAYERS"] == "0" and environment["SEMIF_IMAGE_DIGEST"] == CPU_DIGEST
+    assert "SEMIF_REQUIRE_GPU" not in environment
+    assert endpoint["PrimaryContainer"]["Environment"]["SEMIF_REQUIRE_GPU"] == "1"
+    (instance_type,) = [r["Properties"]["Value"] for r in _resources(decision, "AWS::SSM::Parameter").values()
+                        if r["Properties"]["Name"] == "/semif/prod/decision/batch-instance-type"]
+    assert instance_type == "ml.c6i.xlarge"
+    # A CPU environment's batch Model is its endpoint's image.
+    dev = templates(dev_assembly[1])["semif-dev-decision"]
+    images = {_rendered(r["Properties"]["PrimaryContainer"]["Image"]) for r in _resources(dev, "AWS::SageMaker::Model").values()}
+    assert len(images) == 1
 
 
 def test_the_looked_up_dlc_digest_reaches_the_build_and_the_chat_endpoint(tmp_path):

@@ -4,11 +4,15 @@ connection grant and where the cdk-nag acknowledgement for ``ecr:GetAuthorizatio
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import yaml
 
 from cdk_testing import all_stacks
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +34,10 @@ def _buildspec(project: dict) -> dict:
     return yaml.safe_load(project["Properties"]["Source"]["BuildSpec"])
 
 
-def test_every_codebuild_project_pins_node_20_and_python_3_12(pipeline_template):
-    """aws/codebuild/standard:7.0 defaults to Node 18; the CDK CLI, npm ci and the pip installs must not move
-    with the image's defaults. Every project: synth, self-mutation, asset publishing, image builds, checks."""
+def test_every_codebuild_project_runs_standard_8_with_node_22_and_python_3_12(pipeline_template):
+    """The CDK dropped Node 20 at its end of life; aws/codebuild/standard:7.0 offers Node 18 and 20 only, standard:8.0
+    Node 22 and 24. The CDK CLI, npm ci and the pip installs must not move with the image's defaults. Every project:
+    synth, self-mutation, asset publishing, image builds, checks."""
     projects = _resources(pipeline_template, "AWS::CodeBuild::Project")
     specs = {k: _buildspec(p) for k, p in projects.items()}
     runs_npm_or_pip = [k for k, p in projects.items()
@@ -41,7 +46,22 @@ def test_every_codebuild_project_pins_node_20_and_python_3_12(pipeline_template)
     assert len(runs_npm_or_pip) >= 4, runs_npm_or_pip
     for logical_id, spec in specs.items():
         versions = spec.get("phases", {}).get("install", {}).get("runtime-versions")
-        assert versions == {"nodejs": "20", "python": "3.12"}, (logical_id, json.dumps(spec)[:300])
+        assert versions == {"nodejs": "22", "python": "3.12"}, (logical_id, json.dumps(spec)[:300])
+        assert projects[logical_id]["Properties"]["Environment"]["Image"] == "aws/codebuild/standard:8.0", logical_id
+
+
+def test_self_mutation_and_asset_publishing_install_the_cdk_toolchain_package_json_pins(pipeline_template):
+    """Unpinned, CDK Pipelines installs aws-cdk@2 and cdk-assets@latest at every run: a release could deploy with a
+    CLI nobody tested. Both come from package.json, as `npm ci` installs them for the synth."""
+    pins = json.loads((ROOT / "package.json").read_text())["devDependencies"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", pins["aws-cdk"]) and re.fullmatch(r"\d+\.\d+\.\d+", pins["cdk-assets"])
+    installs = [line for p in _resources(pipeline_template, "AWS::CodeBuild::Project").values()
+                for line in json.dumps(_buildspec(p)).split('"') if line.startswith("npm install -g")]
+    assert installs, "no project installs a CDK tool"
+    for line in installs:
+        assert line in (f"npm install -g aws-cdk@{pins['aws-cdk']}", f"npm install -g cdk-assets@{pins['cdk-assets']}"), line
+    assert f"npm install -g aws-cdk@{pins['aws-cdk']}" in installs
+    assert f"npm install -g cdk-assets@{pins['cdk-assets']}" in installs
 
 
 def _statements(template: dict) -> list[tuple[str, dict]]:

@@ -14,7 +14,7 @@ import pytest
 from aws_cdk import App, CfnOutput, Environment, Stack, aws_sns as sns
 from aws_cdk.assertions import Template
 
-from stacks.pipeline_steps import TARGET_PROFILE, assume_role, bake_commands, pre_deploy_commands
+from stacks.pipeline_steps import TARGET_PROFILE, assume_role, bake_commands, pre_deploy_commands, smoke_commands
 
 DIGEST = "sha256:" + "4e" * 32
 
@@ -22,9 +22,10 @@ AWS_STUB = r"""#!/usr/bin/env bash
 printf '%s\n' "aws $*" >> "$STUB/calls"
 arg() { local want="$1"; shift; while [ $# -gt 0 ]; do [ "$1" = "$want" ] && { echo "$2"; return; }; shift; done; }
 case "$1 $2" in
-  "ecr describe-images") [ -f "$STUB/tagged" ] || { echo "ImageNotFoundException" >&2; exit 254; } ;;
+  "ecr describe-images") tag="$(arg --image-ids "$@")"
+    [ -f "$STUB/tagged-${tag#imageTag=}" ] || { echo "ImageNotFoundException" >&2; exit 254; } ;;
   "ecr batch-get-image") echo '{"schemaVersion": 2}' ;;
-  "ecr put-image") touch "$STUB/tagged" ;;
+  "ecr put-image") touch "$STUB/tagged-$(arg --image-tag "$@")" ;;
   "cloudformation describe-stacks")
     stack="$(arg --stack-name "$@")"
     [ -f "$STUB/stacks/$stack" ] || { echo "An error occurred (ValidationError) when calling the DescribeStacks operation: Stack with id $stack does not exist" >&2; exit 254; }
@@ -123,6 +124,16 @@ def test_the_digest_is_marked_for_the_stage_once_before_anything_else(tmp_path, 
     assert code == 0 and len([c for c in calls if c.startswith("aws ecr put-image")]) == 1, output
 
 
+def test_a_gpu_stage_marks_the_cpu_image_its_batch_transform_runs_too(tmp_path, image_json):
+    cpu = "sha256:" + "c1" * 32
+    (tmp_path / "batch-image").mkdir()
+    (tmp_path / "batch-image" / "image.json").write_text(json.dumps({"imageDigest": cpu, "imageTag": "c" * 40}))
+    code, calls, output = run_step(tmp_path, pre_deploy_commands(), PRE_DEPLOY_ENV)
+    assert code == 0, output
+    tagged = sorted(c.split("--image-tag ")[1].split()[0] for c in calls if c.startswith("aws ecr put-image"))
+    assert tagged == sorted([f"deployed-prod-{DIGEST.removeprefix('sha256:')}", f"deployed-prod-{'c1' * 32}"])
+
+
 ALARMS = ["semif-staging-decision-cpu-utilization", "semif-staging-decision-latency-p95",
           "semif-staging-decision-server-errors"]
 BAKE_ENV = {"CHECK_ROLE_ARN": "arn:aws:iam::111111111111:role/semif-staging-pipeline-check",
@@ -137,6 +148,30 @@ def _watch(tmp_path: Path, endpoint: str = "InService", states: dict[str, str] |
     (stub / "endpoints" / "semif-staging-decision").write_text(endpoint)
     for name, state in (states if states is not None else {a: "OK" for a in ALARMS}).items():
         (stub / "alarms" / name).write_text(state)
+
+
+def _endpoint(tmp_path: Path, name: str, text: str) -> None:
+    (tmp_path / "stub" / "endpoints").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "stub" / "endpoints" / name).write_text(text)
+
+
+@pytest.mark.parametrize("described,passes,says", [
+    ("InService\tsemif-prod-decision-cfg-new", True, ""),
+    # A blue/green update that rolled back: InService, on the previous config.
+    ("InService\tsemif-prod-decision-cfg-old", False, "runs endpoint config semif-prod-decision-cfg-old, not "
+                                                     "semif-prod-decision-cfg-new that the stack deployed"),
+    ("Updating\tsemif-prod-decision-cfg-new", False, "is Updating, not InService"),
+])
+def test_the_smoke_step_fails_unless_the_endpoint_runs_the_stacks_endpoint_config(tmp_path, described, passes, says):
+    commands = smoke_commands(chat=False)
+    describe = commands[len(assume_role("CHECK_ROLE_ARN"))]
+    _endpoint(tmp_path, "semif-prod-decision", described + "\n")
+    code, calls, output = run_step(tmp_path, [describe], {
+        "ENDPOINT_NAME": "semif-prod-decision", "ENDPOINT_CONFIG_NAME": "semif-prod-decision-cfg-new"})
+    assert (code == 0) is passes, output
+    assert says in output
+    assert calls == ['aws sagemaker describe-endpoint --endpoint-name semif-prod-decision '
+                     '--query [EndpointStatus,EndpointConfigName] --output text']
 
 
 def test_the_bake_passes_when_the_endpoint_serves_and_every_alarm_is_quiet(tmp_path):
@@ -265,7 +300,8 @@ def _pipeline_with_a_staging_check():
                           bake_minutes=1, image_keep_last=5,
                           dlc_base_images={v: f"763104351884.dkr.ecr.us-east-1.amazonaws.com/llama-cpp@{DIGEST}"
                                            for v in ("cpu", "gpu")},
-                          pull_accounts=["111111111111", "222222222222"])
+                          pull_roles=["arn:aws:iam::111111111111:role/staging-decision",
+                                      "arn:aws:iam::222222222222:role/prod-decision"])
     return Template.from_stack(stack).to_json()
 
 
@@ -275,8 +311,10 @@ def test_stage_checks_run_after_the_smoke_test_one_by_one_and_before_the_next_st
     stages = {s["Name"]: s for s in pipeline["Properties"]["Stages"]}
     order = {a["Name"]: a["RunOrder"] for a in stages["staging"]["Actions"]}
     assert order["Smoke-staging"] < order["RegressionGate-staging"] < order["LoadCheck-staging"]
-    assert max(order.values()) == order["LoadCheck-staging"]
+    # The bake of staging ends staging's stage, after its checks: no newer release enters staging while it bakes.
+    assert max(order.values()) == order["Bake-staging-before-prod"] == order["LoadCheck-staging"] + 1
     assert "Approve-prod" in {a["Name"] for a in stages["prod"]["Actions"]}  # the next stage, after all of them
+    assert not [a for a in stages["prod"]["Actions"] if a["Name"].startswith("Bake-")]
     (gate,) = [a for a in stages["staging"]["Actions"] if a["Name"] == "RegressionGate-staging"]
     project = template["Resources"][gate["Configuration"]["ProjectName"]["Ref"]]["Properties"]
     spec = project["Source"]["BuildSpec"]

@@ -12,6 +12,8 @@ from cdk_testing import all_stacks
 
 STAGING_ACCOUNT, REGION = "111111111111", "us-east-1"
 STAGING_BUCKET = f"semif-staging-models-{STAGING_ACCOUNT}-{REGION}"
+PROD_ACCOUNT = "222222222222"
+PROD_BUCKET = f"semif-prod-models-{PROD_ACCOUNT}-{REGION}"
 
 
 def _templates(assembly) -> dict[str, dict]:
@@ -103,7 +105,8 @@ def test_gate_then_load_check_run_after_stagings_smoke_test_and_before_prod_is_a
     order = {a["Name"]: a["RunOrder"] for a in _actions(pipeline, "staging")}
     deploys = [a["RunOrder"] for a in _actions(pipeline, "staging") if a["ActionTypeId"]["Category"] == "Deploy"]
     assert max(deploys) < order["Smoke-staging"] < order["Gate-staging"] < order["LoadCheck-staging"]
-    assert order["LoadCheck-staging"] == max(order.values())  # the stage ends with them: prod waits for both
+    # The stage ends with them and the bake that follows: prod waits for all three.
+    assert order["LoadCheck-staging"] < order["Bake-staging-before-prod"] == max(order.values())
     # prod starts with its approval: a person approves what staging's gate and load check passed.
     assert _action(pipeline, "prod", "Approve-prod")["RunOrder"] == min(a["RunOrder"] for a in _actions(pipeline, "prod"))
     # Dev runs no release check: it serves another variant and model.
@@ -116,16 +119,23 @@ def test_the_gated_report_becomes_the_baseline_only_after_prod_runs_the_release_
     assert max(deploys) < order["Smoke-prod"] < order["PromoteBaseline-prod"] == max(order.values())
     promote = _action(pipeline, "prod", "PromoteBaseline-prod")
     variables = _variables(pipeline, promote)
-    # Staging's bucket and role: the reports stay where the labeled data is.
+    # Staging's bucket and role for the gated report; prod's (retained) bucket and role for the baseline, which
+    # outlives a torn-down staging.
     assert variables["CHECK_ROLE_ARN"] == f"arn:aws:iam::{STAGING_ACCOUNT}:role/semif-staging-pipeline-check"
     assert variables["MODEL_BUCKET"] == STAGING_BUCKET
     assert variables["REPORT_PREFIX"] == "reports/staging/" and variables["BASELINE_KEY"] == "reports/prod/report.json"
+    assert variables["BASELINE_BUCKET"] == PROD_BUCKET and variables["BASELINE_REGION"] == REGION
+    assert variables["BASELINE_ROLE_ARN"] == f"arn:aws:iam::{PROD_ACCOUNT}:role/semif-prod-pipeline-check"
     # The report of this execution's gate, not the last one written under staging.
     assert variables["RELEASE_ID"] == "#{codepipeline.PipelineExecutionId}"
     gate = _variables(pipeline, _action(pipeline, "staging", "Gate-staging"))
-    assert gate["RELEASE_ID"] == variables["RELEASE_ID"] and gate["BASELINE_KEY"] == variables["BASELINE_KEY"]
+    assert gate["RELEASE_ID"] == variables["RELEASE_ID"]
+    for name in ("BASELINE_KEY", "BASELINE_BUCKET", "BASELINE_ROLE_ARN", "BASELINE_REGION"):
+        assert gate[name] == variables[name], name
+    assert gate["BASELINE_ENDPOINT"] == "semif-prod-decision"
     commands = " ".join(_buildspec(pipeline, promote)["phases"]["build"]["commands"])
-    assert "'passed') is True" in commands and 'gated-report.json "$baseline"' in commands
+    assert "'passed') is True" in commands
+    assert 'aws --profile semif-baseline s3 cp gated-report.json "$baseline"' in commands
 
 
 # ---- what they run --------------------------------------------------------------------------------------------------
@@ -148,8 +158,9 @@ def test_the_gate_step_evaluates_the_labeled_data_on_the_staging_endpoint_with_t
     assert 'credential_source = EcsContainer' in build  # as staging's check role
     for flag in ('semif-eval "s3://${MODEL_BUCKET}/${EVAL_DATA_KEY}"', '--endpoint "$ENDPOINT_NAME"',
                  '--region "$AWS_DEFAULT_REGION"', "--no-contextual", "--no-progress", '--kms-key-id "$MODEL_KEY_ARN"',
-                 '--out "$report"', '--limits "$GATE_LIMITS"', '--baseline "$baseline"',
-                 'list-objects-v2 --bucket "$MODEL_BUCKET" --prefix "$BASELINE_KEY"'):
+                 '--out "$report"', '--limits "$GATE_LIMITS"', 'set -- --baseline baseline-report.json',
+                 'aws --profile semif-baseline s3api list-objects-v2 --bucket "$BASELINE_BUCKET" --prefix "$BASELINE_KEY"',
+                 'aws --profile semif-baseline sagemaker describe-endpoint --endpoint-name "$BASELINE_ENDPOINT"'):
         assert flag in build, flag
     install = " ".join(spec["phases"]["install"]["commands"])
     # The tools with the package's pins, without llama.cpp (a remote evaluation scores nothing locally).
@@ -192,35 +203,60 @@ def test_stagings_check_role_reads_only_the_labeled_data_and_the_reports_and_inv
     bucket = f"arn:aws:s3:::{STAGING_BUCKET}"
     model = "models/qwen2.5-coder-1.5b-instruct-q4_k_m/1/"
     assert _allowed(shared, role, "s3:GetObject") == sorted([
-        f"{bucket}/eval/decisions.jsonl", f"{bucket}/reports/prod/report.json", f"{bucket}/reports/staging/*",
+        f"{bucket}/eval/decisions.jsonl", f"{bucket}/reports/staging/*",
         f"{bucket}/{model}*.gguf", f"{bucket}/{model}model-manifest.json",
         f"{bucket}/{model.rstrip('/')}.tar.gz"])  # the last three: the model check's
-    assert _allowed(shared, role, "s3:PutObject") == [f"{bucket}/reports/prod/report.json", f"{bucket}/reports/staging/*"]
+    # The baseline is no longer here: staging's bucket is deleted with staging.
+    assert _allowed(shared, role, "s3:PutObject") == [f"{bucket}/reports/staging/*"]
     for action in ("s3:DeleteObject", "s3:PutObjectAcl", "s3:*", "s3:GetObject*"):
         assert _allowed(shared, role, action) == [], action
-    listings = [s for s in _statements(shared, role) if "s3:ListBucket" in _as_list(s["Action"])
+    assert not [s for s in _statements(shared, role) if "s3:ListBucket" in _as_list(s["Action"])
                 and "reports/" in json.dumps(s)]
-    assert [s["Condition"] for s in listings] == [{"StringEquals": {"s3:prefix": ["reports/prod/report.json"]}}]
     endpoint = f"arn:aws:sagemaker:{REGION}:{STAGING_ACCOUNT}:endpoint/semif-staging-decision"
     assert _allowed(shared, role, "sagemaker:InvokeEndpoint") == [endpoint]
     assert _allowed(shared, role, "sagemaker:DescribeEndpoint") == [endpoint]
     assert _allowed(shared, role, "sagemaker:DescribeEndpointConfig") == [
         f"arn:aws:sagemaker:{REGION}:{STAGING_ACCOUNT}:endpoint-config/*"]
     assert _allowed(shared, role, "sagemaker:InvokeEndpointAsync") == []
-    # The bucket key: to read the labeled data and baseline, and to write reports under it.
+    # The bucket key: to read the labeled data, and to write reports under it.
     (key,) = {r for a in ("kms:Decrypt", "kms:GenerateDataKey") for r in _allowed(shared, role, a)}
     assert key.startswith("<key ModelsKey")
     # Every object the steps name lies inside what the role may read or write.
-    for name in ("eval/decisions.jsonl", "reports/prod/report.json", "reports/staging/e-123/report.json",
-                 "reports/staging/e-123/loadcheck.json"):
+    for name in ("eval/decisions.jsonl", "reports/staging/e-123/report.json", "reports/staging/e-123/loadcheck.json"):
         assert any(fnmatch.fnmatchcase(f"{bucket}/{name}", p) for p in _allowed(shared, role, "s3:GetObject")), name
     for name in ("models/other/1/x.gguf", "reports/prod/other.json", "eval/other.jsonl", "batch/j/in/x"):
         assert not any(fnmatch.fnmatchcase(f"{bucket}/{name}", p) for p in _allowed(shared, role, "s3:GetObject")), name
 
 
+def test_prods_check_role_reads_writes_and_lists_exactly_the_baseline_in_its_own_retained_bucket(pipeline_assembly):
+    shared = _templates(pipeline_assembly[1])["semif-prod-shared"]
+    role, bucket = "semif-prod-pipeline-check", f"arn:aws:s3:::{PROD_BUCKET}"
+    names = {k: bucket for k, r in shared["Resources"].items()
+             if r["Type"] == "AWS::S3::Bucket" and r["Properties"].get("BucketName") == PROD_BUCKET}
+    names.update({k: f"<key {k}>" for k, r in shared["Resources"].items() if r["Type"] == "AWS::KMS::Key"})
+    allowed = lambda action: sorted(_arn(r, names) for s in _statements(shared, role)  # noqa: E731
+                                    if action in _as_list(s["Action"]) for r in _as_list(s["Resource"]))
+    assert f"{bucket}/reports/prod/report.json" in allowed("s3:GetObject")
+    assert allowed("s3:PutObject") == [f"{bucket}/reports/prod/report.json"]
+    listings = [s for s in _statements(shared, role) if "s3:ListBucket" in _as_list(s["Action"])
+                and "reports/" in json.dumps(s)]
+    assert [s["Condition"] for s in listings] == [{"StringEquals": {"s3:prefix": ["reports/prod/report.json"]}}]
+    assert [k for k in allowed("kms:GenerateDataKey")] and all(k.startswith("<key ModelsKey")
+                                                               for k in allowed("kms:GenerateDataKey"))
+    # Whether prod serves: its decision endpoint, described.
+    assert f"arn:aws:sagemaker:{REGION}:{PROD_ACCOUNT}:endpoint/semif-prod-decision" in allowed(
+        "sagemaker:DescribeEndpoint")
+    # The bucket outlives the stack (and a torn-down staging).
+    (bucket_resource,) = [r for r in shared["Resources"].values() if r["Type"] == "AWS::S3::Bucket"
+                          and r["Properties"].get("BucketName") == PROD_BUCKET]
+    assert bucket_resource["DeletionPolicy"] in ("Retain", "RetainExceptOnCreate")
+    assert "eval/" not in json.dumps(_statements(shared, role))
+    assert allowed("sagemaker:DescribeEndpointConfig") == []
+
+
 def test_environments_without_release_checks_grant_their_check_roles_no_report_access(pipeline_assembly):
     templates = _templates(pipeline_assembly[1])
-    for env in ("dev", "prod"):
+    for env in ("dev",):
         role = f"semif-{env}-pipeline-check"
         shared = templates[f"semif-{env}-shared"]
         assert _allowed(shared, role, "s3:PutObject") == [], env
@@ -259,4 +295,5 @@ def test_a_stage_check_naming_an_output_its_stage_lacks_fails_synth_with_the_nam
                       connection_arn="arn:aws:codeconnections:us-east-1:333333333333:connection/x", repository="o/r",
                       branch="main", stages=[spec], bakes={}, bake_minutes=1, image_keep_last=5,
                       dlc_base_images={v: "763104351884.dkr.ecr.us-east-1.amazonaws.com/llama-cpp@sha256:" + "4e" * 32
-                                       for v in ("cpu", "gpu")}, pull_accounts=[STAGING_ACCOUNT])
+                                       for v in ("cpu", "gpu")},
+                      pull_roles=[f"arn:aws:iam::{STAGING_ACCOUNT}:role/staging-decision"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from aws_cdk import App, Environment, RemovalPolicy, Stack
@@ -13,6 +14,10 @@ from stacks.shared_stack import SharedStack
 
 ENV = Environment(account="123456789012", region="us-east-1")
 CHECK_PRINCIPAL = "arn:aws:iam::333333333333:role/semif-pipeline-checks"
+PULL_ROLES = ["arn:aws:iam::111111111111:role/semif-dev-semif-dev-decision-endpoint",
+              "arn:aws:iam::111111111111:role/semif-dev-semif-dev-decision-transform",
+              "arn:aws:iam::222222222222:role/semif-prod-semif-prod-decision-endpoint",
+              "arn:aws:iam::333333333333:role/semif-ops-semif-ops-decision-endpoint"]
 
 
 def shared_stack(removal_policy=RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE, **overrides) -> Template:
@@ -37,7 +42,7 @@ def shared_dev():
 def images():
     stack = Stack(App(), "Images", env=Environment(account="333333333333", region="us-east-1"))
     AdapterImageRepository(stack, "AdapterImages", keep_last_images=12,
-                           pull_accounts=["111111111111", "222222222222", "333333333333"], environments=["dev", "prod"])
+                           pull_roles=PULL_ROLES, environments=["dev", "prod"])
     return Template.from_stack(stack)
 
 
@@ -188,7 +193,10 @@ def test_for_a_tarball_the_pipeline_check_role_reads_the_manifest_beside_it_as_t
 def test_central_repository_keeps_immutable_scanned_encrypted_images_and_lets_environment_accounts_pull(images):
     repositories = images.find_resources("AWS::ECR::Repository")
     (image_repo,) = [r["Properties"] for r in repositories.values() if r["Properties"]["RepositoryName"] == "semif/adapter"]
-    assert image_repo["ImageTagMutability"] == "IMMUTABLE"
+    # Immutable but for the candidate tag a build checks before it tags (build-image.sh).
+    assert image_repo["ImageTagMutability"] == "IMMUTABLE_WITH_EXCLUSION"
+    assert image_repo["ImageTagMutabilityExclusionFilters"] == [
+        {"ImageTagMutabilityExclusionFilterType": "WILDCARD", "ImageTagMutabilityExclusionFilterValue": "candidate-*"}]
     assert image_repo["ImageScanningConfiguration"] == {"ScanOnPush": True}
     assert image_repo["EncryptionConfiguration"]["EncryptionType"] == "KMS"
     lifecycle = json.loads(image_repo["LifecyclePolicyText"] if "LifecyclePolicyText" in image_repo
@@ -202,6 +210,8 @@ def test_central_repository_keeps_immutable_scanned_encrypted_images_and_lets_en
     (statement,) = image_repo["RepositoryPolicyText"]["Statement"]
     principals = json.dumps(statement["Principal"])
     assert "111111111111" in principals and "222222222222" in principals and "333333333333" not in principals
+    # Not every role of those accounts: the named pull roles only (the repository's own account needs no statement).
+    assert statement["Condition"] == {"ArnEquals": {"aws:PrincipalArn": PULL_ROLES[:3]}}
     assert sorted(statement["Action"]) == ["ecr:BatchCheckLayerAvailability", "ecr:BatchGetImage",
                                           "ecr:GetDownloadUrlForLayer"]
     (cache_repo,) = [r["Properties"] for r in repositories.values()
@@ -234,7 +244,7 @@ def ecr_lifecycle_expires(policy: dict, images: list[dict]) -> set[str]:
 
 def _lifecycle_policy(environments: list[str], keep: int) -> dict:
     stack = Stack(App(), "Lifecycle", env=Environment(account="333333333333", region="us-east-1"))
-    AdapterImageRepository(stack, "AdapterImages", keep_last_images=keep, pull_accounts=[],
+    AdapterImageRepository(stack, "AdapterImages", keep_last_images=keep, pull_roles=[],
                            environments=environments)
     (repository,) = [r["Properties"] for r in Template.from_stack(stack).find_resources("AWS::ECR::Repository").values()
                      if r["Properties"]["RepositoryName"] == "semif/adapter"]
@@ -268,3 +278,30 @@ def test_image_digests_are_read_from_the_image_steps_outputs(tmp_path):
         (tmp_path / variant).mkdir()
         (tmp_path / variant / "image.json").write_text(json.dumps({"imageDigest": digest}))
     assert read_image_digests(tmp_path) == {"cpu": "sha256:" + "1" * 64, "gpu": "sha256:" + "2" * 64}
+
+
+def test_the_image_build_role_cannot_delete_from_the_repository_environments_pull_from():
+    """The build runs repository code in privileged Docker: it pushes and tags, and nothing it runs can delete an
+    image an endpoint may still pull. Both callers: the pipeline's image step and one environment's project."""
+    from aws_cdk import pipelines
+
+    from constructs_lib.image_build import default_build_specs
+
+    app = App()
+    stack = Stack(app, "Images", env=Environment(account="333333333333", region="us-east-1"))
+    images = AdapterImageRepository(stack, "AdapterImages", keep_last_images=12, environments=["dev"])
+    (spec,) = [s for s in default_build_specs(cpu_base_image="b@sha256:" + "b" * 64, gpu_base_image="g@sha256:" + "c" * 64)
+               if s.variant == "cpu"]
+    step = images.build_step(spec, source=pipelines.CodePipelineSource.connection(
+        "o/r", "main", connection_arn="arn:aws:codeconnections:us-east-1:333333333333:connection/x"))
+    statements = [s.to_json() for s in step.role_policy_statements]
+    actions = {a for s in statements for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])}
+    assert {"ecr:PutImage", "ecr:BatchGetImage", "ecr:DescribeImages"} <= actions
+    assert not {a for a in actions if a in ("ecr:BatchDeleteImage", "ecr:*") or "Delete" in a}
+
+    env_stack = Stack(app, "EnvImages", env=Environment(account="111111111111", region="us-east-1"))
+    own = AdapterImageRepository(env_stack, "AdapterImages", keep_last_images=12, environments=["dev"], env_name="dev")
+    own.build_project(spec, source_dir=Path(__file__).resolve().parents[2] / "container")
+    policies = Template.from_stack(env_stack).find_resources("AWS::IAM::Policy")
+    granted = json.dumps(policies)
+    assert "ecr:PutImage" in granted and "ecr:BatchDeleteImage" not in granted

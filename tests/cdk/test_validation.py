@@ -179,6 +179,20 @@ def test_pipeline_stage_must_be_a_defined_environment(tmp_path, raw_config):
         _load(tmp_path, raw)
 
 
+def test_a_pipeline_stage_outside_the_pipelines_region_is_refused(tmp_path, raw_config):
+    """SageMaker pulls a model's image only from the model's own region; the pipeline pushes to its own."""
+    raw = copy.deepcopy(raw_config)
+    raw["environments"]["prod"]["region"] = "eu-west-1"
+    with pytest.raises(ConfigError, match=r"environments\.prod\.region: 'eu-west-1' is outside the pipeline's region "
+                                          r"'us-east-1'"):
+        _load(tmp_path, raw)
+    # Outside the pipeline, an environment may live in any region: it builds its image in its own account and region.
+    raw["pipeline"] = None
+    for env in raw["environments"].values():
+        env["release_checks"] = None
+    assert _load(tmp_path, raw).environments["prod"].region == "eu-west-1"
+
+
 def test_adapter_settings_render_the_semif_contract():
     environment = load_settings().environment("dev").decision.adapter.to_environment()
     documented = {"SEMIF_N_CTX", "SEMIF_N_BATCH", "SEMIF_N_THREADS", "SEMIF_N_GPU_LAYERS", "SEMIF_SCORING",
@@ -277,6 +291,20 @@ def test_prod_needs_an_alarm_subscription_or_an_explicit_opt_out(tmp_path, raw_c
     assert _load(tmp_path, raw).environment("prod").alarm_email is None
     with pytest.raises(ConfigError, match="not an email address"):
         _load(tmp_path, _edit(raw_config, "prod", ("alarm_email",), "oncall"))
+
+
+def test_a_latency_alarm_at_or_above_invoke_endpoints_60_s_limit_is_refused(tmp_path, raw_config):
+    """No request's ModelLatency reaches InvokeEndpoint's 60 s: an alarm at 60 s or more would never fire."""
+    for name in load_settings().environments:
+        env = load_settings().environment(name)
+        for endpoint in (env.decision, env.text):
+            assert endpoint is None or endpoint.alarms.model_latency_p95_ms < 60000, name
+    with pytest.raises(ConfigError, match=r"environments.prod.text.alarms.model_latency_p95_ms: 60000 can never fire: "
+                                          r"SageMaker ends an invocation at 60 s"):
+        _load(tmp_path, _edit(raw_config, "prod", ("text", "alarms", "model_latency_p95_ms"), 60000))
+    with pytest.raises(ConfigError, match=r"environments.dev.decision.alarms.model_latency_p95_ms: 90000 can never"):
+        _load(tmp_path, _edit(raw_config, "dev", ("decision", "alarms", "model_latency_p95_ms"), 90000))
+    assert _load(tmp_path, _edit(raw_config, "prod", ("text", "alarms", "model_latency_p95_ms"), 59999))
 
 
 def test_chat_client_role_must_name_roles_not_accounts(tmp_path, raw_config):
@@ -393,3 +421,22 @@ def test_the_pipeline_doc_says_what_has_not_met_aws_yet():
     unverified = doc.split("## What has not met AWS yet")[1]
     assert "The image build itself is unverified until its first CodeBuild run" in unverified
     assert "autoscaling_enabled: false" in doc  # the instance-type change procedure
+
+
+def test_the_deploy_doc_checks_quotas_a_fresh_account_has_and_lets_app_roles_assume_the_chat_client_role():
+    """ListServiceQuotas lists only applied values (nothing in a fresh account); every CodeBuild compute type the
+    pipeline runs at once needs its own concurrent-build quota; a trust policy naming an account needs the app role's
+    own identity policy too."""
+    from aws_cdk import aws_codebuild as codebuild
+
+    from constructs_lib.image_build import default_build_specs
+
+    doc = " ".join(DEPLOY_DOC.read_text().split())
+    assert "list-aws-default-service-quotas" in doc and "--service-code sagemaker" in doc
+    types = {s.compute_type for s in default_build_specs(cpu_base_image="c", gpu_base_image="g")}
+    names = {codebuild.ComputeType.X2_LARGE: "Linux/2XLarge", codebuild.ComputeType.LARGE: "Linux/Large"}
+    quota_section = doc.split("### 6. GPU quotas")[1].split("### 7.")[0]
+    for name in [names[t] for t in types] + ["Linux/Small"]:  # Small: CDK Pipelines' default for every other step
+        assert name in quota_section, name
+    assert "aws iam put-role-policy" in doc and '\\"Action\\":\\"sts:AssumeRole\\"' in doc
+    assert "/semif/prod/text/client-role-arn" in doc

@@ -96,6 +96,28 @@ class StackOutputs:
         return cls(env=env, **{field_: values[name] for field_, name in names.items()})
 
 
+# Batch Transform's GPU hosts run NVIDIA driver 470 or 535 (TransformResources.TransformAmiVersion:
+# al2-ami-sagemaker-batch-gpu-470 / -535, https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TransformResources.html;
+# https://docs.aws.amazon.com/sagemaker/latest/dg/inference-gpu-drivers.html). The adapter's GPU image is built on
+# the DLC's CUDA 13 runtime, which needs driver 580 or newer (the endpoints pin al2023-ami-sagemaker-inference-gpu-4-1),
+# and a Model with SEMIF_REQUIRE_GPU=1 exits rather than fall back to the CPU: no transform host can run it.
+GPU_BATCH_REFUSAL = (
+    "the batch Model {model} of environment {env!r} is the adapter's GPU image (SEMIF_REQUIRE_GPU=1), built on CUDA 13, "
+    "which needs NVIDIA driver 580 or newer; Batch Transform GPU hosts run driver 470 or 535 "
+    "(TransformAmiVersion al2-ami-sagemaker-batch-gpu-470/-535) and a CPU host has no GPU, so no transform job can start "
+    "it. Decide the file with `semif-batch local --url` against an adapter on a GPU machine, or run the job in an "
+    "environment of the cpu variant (docs/how-to/batch-transform.md#gpu-environments)"
+)
+
+
+def refuse_unrunnable_model(sagemaker, outputs: "StackOutputs") -> None:
+    """Before anything is written or started: the batch Model must be one a transform host can run."""
+    described = sagemaker.describe_model(ModelName=outputs.model_name)
+    containers = [described.get("PrimaryContainer") or {}, *(described.get("Containers") or [])]
+    if any((c.get("Environment") or {}).get("SEMIF_REQUIRE_GPU") == "1" for c in containers):
+        raise BatchError(GPU_BATCH_REFUSAL.format(model=outputs.model_name, env=outputs.env))
+
+
 def batch_prefix(job_name: str) -> str:
     """`batch/<job>/`: the only prefixes of the model bucket a transform job's role reads (`in/`) and writes (`out/`)."""
     return f"batch/{job_name}/"
@@ -333,6 +355,7 @@ def run_job(args, *, session=None, console=None, out_console=None, ask_stop: Opt
     session = session or boto3.session.Session(region_name=args.region)
     s3, sagemaker, ssm = session.client("s3"), session.client("sagemaker"), session.client("ssm")
     outputs = StackOutputs.read(ssm, args.endpoint_stack)
+    refuse_unrunnable_model(sagemaker, outputs)
     job_name = args.job_name or default_job_name(args.endpoint_stack)
     plan = plan_job(s3, outputs, source_uri=args.input, output_uri=args.output, instance_count=args.instance_count,
                     job_name=job_name)
@@ -426,6 +449,7 @@ class LocalAdapter:
         from ..serving.engine.context import Engine
 
         environment = dict(os.environ if env is None else env)
+        environment.setdefault("SEMIF_BATCH_TRANSFORM", "1")  # a transform job's limits, as in its container
         if model_path:
             environment["SEMIF_MODEL_PATH"] = str(model_path)
         settings = Settings.from_env(environment)
@@ -834,7 +858,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print_report(built, Console())
             console.print(f"wrote {args.out / 'report.json'} and {', '.join(built['plots']) or 'no plots'}")
             return 0
-        rows = [json.loads(line) for line in args.labeled.read_text().splitlines() if line.strip()]
+        # JSON Lines end at "\n" only: a JSON string may hold U+2028, where str.splitlines() would split.
+        rows = [json.loads(line) for line in args.labeled.read_text().split("\n") if line.strip()]
         with open(args.output, "w") as out:
             for row in rows:
                 out.write(json.dumps(request_from_labeled_row(row), ensure_ascii=False) + "\n")
