@@ -218,3 +218,26 @@ def test_without_a_pipeline_an_environment_trusts_no_other_account_and_the_pipel
     with pytest.raises(ConfigError, match="pipeline: null.*make deploy"):
         semif_app.build_app(App(outdir=str(tmp_path / "p"), context={**cdk_json_context(), "pipeline": "true"}),
                             config_path=path)
+
+
+def test_every_cdk_command_of_the_deploy_guide_synthesizes_with_the_contexts_it_passes(tmp_path):
+    """`cdk deploy` synthesizes the whole app whatever stacks it names: each command line the guide gives must carry
+    every digest synth needs (the CPU digest too on a GPU environment, for its Batch Transform image)."""
+    import re
+    import shlex
+
+    guide = (REPO / "docs" / "how-to" / "deploy-first-environment.md").read_text()
+    zero = "sha256:" + "0" * 64
+    lines = [line for line in guide.splitlines() if re.match(r"\s*npx cdk (deploy|synth)\b", line)]
+    assert len(lines) >= 4
+    for number, line in enumerate(lines):
+        words = shlex.split(line.replace("$ZERO", zero))
+        contexts = dict(words[i + 1].split("=", 1) for i, word in enumerate(words) if word == "-c")
+        if contexts.get("pipeline") == "true":
+            images = tmp_path / f"images-{number}"
+            for variant in ("cpu", "gpu"):
+                (images / variant).mkdir(parents=True)
+                (images / variant / "image.json").write_text(json.dumps({
+                    "imageDigest": contexts[f"adapter-image-{variant}"], "imageTag": "t" * 40}))
+            contexts = {"pipeline": "true", "adapter-images-dir": str(images)}
+        synth_real_app(tmp_path / str(number), **contexts)  # raises on a missing digest
