@@ -265,19 +265,21 @@ def test_under_the_default_a_request_over_budget_with_its_prior_is_refused_namin
     assert over.value.field == "debias" and "debias 'none'" in str(over.value)
 
 
-def test_a_held_prior_costs_nothing_in_the_token_budget(fresh):
+def test_admission_never_depends_on_held_priors_but_a_held_prior_is_not_evaluated_again(fresh):
+    """The budget is a function of the request alone: the same request is admitted or refused whatever the cache
+    holds; a prior the cache holds still costs no model call."""
     engine = fresh
     plain = engine.plan(STATES[0], [ROUTE, URGENT], debias="none")
     cold = engine.plan(STATES[0], [ROUTE, URGENT], debias="content_free")
     assert cold.worst_case_tokens > plain.worst_case_tokens
     engine.score(STATES[1], [ROUTE], debias="content_free")  # ROUTE's prior held from here on
-    half = engine.plan(STATES[0], [ROUTE, URGENT], debias="content_free")
-    assert half.worst_case_tokens == cold.worst_case_tokens - cold.content_free.questions[0].worst_case_tokens
     engine.score(STATES[1], [URGENT], debias="content_free")
-    held = engine.plan(STATES[0], [ROUTE, URGENT], debias="content_free", max_request_tokens=plain.worst_case_tokens)
-    assert held.worst_case_tokens == plain.worst_case_tokens
+    held = engine.plan(STATES[0], [ROUTE, URGENT], debias="content_free")
+    assert held.worst_case_tokens == cold.worst_case_tokens
+    with pytest.raises(TokenBudgetExceeded):
+        engine.plan(STATES[0], [ROUTE, URGENT], debias="content_free", max_request_tokens=plain.worst_case_tokens)
     passes = engine.content_free_passes
-    engine.clear_content_free()  # evicted after planning: the plan kept the priors it counted as held
+    engine.clear_content_free()  # evicted after planning: the plan kept the priors it found held
     result = engine.execute(held)
     assert engine.content_free_passes == passes and result.evaluated_tokens <= held.worst_case_tokens
     assert [d.debias for d in result.distributions] == ["content_free", "content_free"]
@@ -453,14 +455,15 @@ def test_over_the_budget_the_default_calibration_is_refused_naming_the_field_nev
     refused = tight_client.post(path, json=make([PARCEL] + FILLERS))
     assert refused.status_code == 413, refused.text
     assert field in refused.text and "SEMIF_MAX_REQUEST_TOKENS" in refused.text
-    # With every prior held (each question asked before, in requests that fit) nothing more is evaluated
-    # for them: the same request fits and is answered at its calibration, as alone.
+    # With every prior held (each question asked before, in requests that fit), the same request is refused all
+    # the same: admission depends on the request, never on what ran before.
     for start in range(0, len(FILLERS), 8):
         assert tight_client.post(path, json=make([PARCEL] + FILLERS[start:start + 8])).status_code == 200
-    held = tight_client.post(path, json=make([PARCEL] + FILLERS))
-    assert held.status_code == 200, held.text
-    np.testing.assert_allclose(_probabilities(path, held.json())[0], _probabilities(path, alone.json())[0],
-                               rtol=0, atol=1e-6)
+    again = tight_client.post(path, json=make([PARCEL] + FILLERS))
+    assert again.status_code == 413, again.text
+    # And the decision alone still answers at its calibration, the same as before.
+    np.testing.assert_allclose(_probabilities(path, tight_client.post(path, json=make([PARCEL])).json())[0],
+                               _probabilities(path, alone.json())[0], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("path, body", [

@@ -635,15 +635,16 @@ class Engine:
                                 ) from None
         # The prior is read the way the answer is: one segment for state and question where the answer is.
         content_free = replace(content_free, fuse_state_and_question=planned.fuse_state_and_question)
-        # The budget counts what this request will evaluate: a held prior costs nothing (the plan keeps it, so
-        # it is used even if evicted before execution), and copies of one question share one prior.
+        # The budget counts one content-free prompt per distinct question, whether its prior is held or not: what a
+        # request may do depends on the request alone, never on what ran before (a held prior still saves the
+        # compute: the plan keeps it, so it is used even if evicted before execution). Copies of one question share
+        # one prior.
         held, distinct = [], {}
         for qplan in content_free.questions:
             key = self._content_free_key(content_free, qplan)
             prior = self._content_free.get(key)
             held.append(tuple(prior) if prior is not None else None)
-            if prior is None:
-                distinct.setdefault(key, qplan.worst_case_tokens)
+            distinct.setdefault(key, qplan.worst_case_tokens)
         planned = replace(planned, content_free=content_free, content_free_held=tuple(held),
                           content_free_tokens=content_free.state_tokens + sum(distinct.values()) if distinct else 0)
         if max_request_tokens is not None and planned.worst_case_tokens > max_request_tokens:
@@ -651,8 +652,8 @@ class Engine:
             over = TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens,
                                        field=budget_field if by_default else "debias")
             over.args = (f"{over}; with debias 'content_free'{' (the server default)' if by_default else ''} that "
-                         f"counts the content-free prompt of each question whose prior is not held yet "
-                         f"({len(distinct)} here): send debias 'none' to leave it out",)
+                         f"counts the content-free prompt of each distinct question ({len(distinct)} here): send "
+                         "debias 'none' to leave it out",)
             raise over
         return planned
 
