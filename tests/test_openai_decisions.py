@@ -155,6 +155,7 @@ def test_semif_fields_are_refused_naming_the_field_never_ignored(client, field, 
     per_question = _error(decide(client, [{**CHOICE, "scoring": "sequence"}]))
     assert per_question["param"] == "questions[0].scoring"
     assert decide(client, [PREDICATE], **{field: None}).status_code == 200  # null: absent, as for every extension
+    assert decide(client, [PREDICATE], return_prompt=False).status_code == 200  # asks for nothing
 
 
 @pytest.mark.parametrize("first, second", [("true", True), (False, "false"), ("a", "a")])

@@ -215,6 +215,7 @@ def test_semif_fields_are_refused_naming_the_field_never_ignored(client, field, 
     per_question = _detail_list(ask(client, {"q": {**CHOICE, "scoring": "sequence"}}))
     assert per_question[0]["loc"] == ["body", "questions", "q", "scoring"]
     assert ask(client, {"q": NOUL}, **{field: None}).status_code == 200  # null: absent
+    assert ask(client, {"q": NOUL}, return_prompt=False).status_code == 200  # asks for nothing
 
 
 def test_too_many_options_is_a_422_not_an_answer(client):

@@ -218,7 +218,7 @@ def parse(body: Any, limits: Limits) -> Job:
             raise _bad(key, "is required", "missing_required_parameter")
     _require(body["model"], str, "model", "a string")
     for key in SEMIF_ONLY:
-        if body.get(key) is not None:
+        if body.get(key) not in (None, False):  # null or false asks for nothing: the same as absent
             raise _bad(key, UNSUPPORTED, "unsupported_parameter")
     # Our extension: an optional record id, echoed at the top of the answer (joins batch output to input).
     record_id = body.get("id")

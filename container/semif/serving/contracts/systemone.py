@@ -214,7 +214,7 @@ SEMIF_ONLY = ("policy", "return_prompt", "scoring")
 
 
 def _refuse_semif_fields(body: dict) -> None:
-    where = [[key] for key in SEMIF_ONLY if body.get(key) is not None]
+    where = [[key] for key in SEMIF_ONLY if body.get(key) not in (None, False)]  # null or false asks for nothing
     questions = body.get("questions")
     if isinstance(questions, dict):
         where += [["questions", qid, "scoring"] for qid, q in questions.items()
