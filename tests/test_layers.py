@@ -6,7 +6,9 @@ the layers below it.
     postprocess/  calibration and the abstention policy, after scoring       (engine)
     engine/       the llama.cpp context, plans, prompts, labels, batching    (nothing above)
 
-`config` and `logs` are shared by all; `serve` (the process) may import anything and nothing imports it.
+`config` and `logs` are shared by all; `settings_contract` (the definition of every SEMIF_* setting, standard
+library only, which the CDK app imports too) sits below `config` and imports nothing of the package; `serve` (the
+process) may import anything and nothing imports it.
 Function-level imports count: a circle closed inside a function is still a circle.
 """
 
@@ -21,14 +23,16 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "container" / "semif" / "serving"
 ROOT = "semif.serving"
 # layer -> the layers (first component under semif.serving) it may import
+SHARED = {"config", "logs", "settings_contract"}
 ALLOWED = {
-    "engine": {"engine", "config", "logs"},
-    "postprocess": {"postprocess", "engine", "config", "logs"},
-    "contracts": {"contracts", "postprocess", "engine", "config", "logs"},
-    "http": {"http", "contracts", "postprocess", "engine", "config", "logs"},
-    "config": {"config"},
-    "logs": {"logs", "config"},
-    "serve": {"http", "contracts", "postprocess", "engine", "config", "logs", "serve"},
+    "engine": {"engine"} | SHARED,
+    "postprocess": {"postprocess", "engine"} | SHARED,
+    "contracts": {"contracts", "postprocess", "engine"} | SHARED,
+    "http": {"http", "contracts", "postprocess", "engine"} | SHARED,
+    "config": {"config", "settings_contract"},
+    "logs": {"logs", "config", "settings_contract"},
+    "settings_contract": {"settings_contract"},
+    "serve": {"http", "contracts", "postprocess", "engine", "serve"} | SHARED,
     "__init__": set(),
 }
 
