@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from aws_cdk import (
-    ArnFormat,
     Duration,
     RemovalPolicy,
     Stack,
@@ -33,6 +32,7 @@ from aws_cdk import (
 from constructs import Construct
 
 from constructs_lib.image_sources import DLC_REPOSITORY, dlc_registry_account
+from constructs_lib.log_groups import encrypted_log_group
 from constructs_lib.nag import checkov_skip
 
 IMAGE_REPOSITORY_NAME = "semif/adapter"
@@ -236,21 +236,12 @@ class AdapterImageRepository(Construct):
             raise ValueError("build_project is for one environment's repository (env_name)")
         self.source = s3_assets.Asset(self, f"Source-{spec.variant}", path=str(source_dir),
                                       exclude=list(SOURCE_EXCLUDES))
-        stack = Stack.of(self)
         project_name = image_project_name(spec.variant, self.env_name)
         # The build log, created by the stack (CodeBuild would create one that never expires and outlives a
-        # teardown), encrypted with the repository key for this one log group only.
-        log_group_name = f"/aws/codebuild/{project_name}"
-        self.key.add_to_resource_policy(iam.PolicyStatement(
-            principals=[iam.ServicePrincipal(f"logs.{stack.region}.amazonaws.com")],
-            actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncryptFrom", "kms:ReEncryptTo", "kms:GenerateDataKey",
-                     "kms:DescribeKey"],
-            resources=["*"],
-            conditions={"ArnEquals": {"kms:EncryptionContext:aws:logs:arn": stack.format_arn(
-                service="logs", resource="log-group", resource_name=log_group_name,
-                arn_format=ArnFormat.COLON_RESOURCE_NAME)}}))
-        self.build_log = logs.LogGroup(self, f"BuildLog-{spec.variant}", log_group_name=log_group_name,
-                                       encryption_key=self.key, retention=log_retention, removal_policy=removal_policy)
+        # teardown), encrypted with the repository key.
+        self.build_log = encrypted_log_group(self, f"BuildLog-{spec.variant}",
+                                             log_group_name=f"/aws/codebuild/{project_name}", key=self.key,
+                                             retention=log_retention, removal_policy=removal_policy)
         project = codebuild.Project(
             self, f"Build-{spec.variant}", project_name=project_name,
             logging=codebuild.LoggingOptions(cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=self.build_log)),

@@ -36,6 +36,7 @@ from constructs_lib.endpoint_alarms import (INSTANCE_ALARMS, ROLLBACK_ALARMS, En
                                            notify, sagemaker_endpoint_alarms)
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.image_sources import ContainerImageSource
+from constructs_lib.log_groups import encrypted_log_group
 from constructs_lib.model_bucket import grant_model_read
 from constructs_lib.nag import acknowledge_wildcard_resource
 
@@ -110,17 +111,8 @@ class ServingEndpoint(Construct):
         log_group_name = endpoint_log_group_name(endpoint_name)
         self.log_key = kms.Key(self, "LogKey", enable_key_rotation=True, removal_policy=removal_policy,
                                description=f"Log encryption for endpoint {endpoint_name}")
-        # CloudWatch Logs encrypts with the key for this one log group only (encryption-context condition).
-        self.log_key.add_to_resource_policy(iam.PolicyStatement(
-            principals=[iam.ServicePrincipal(f"logs.{stack.region}.amazonaws.com")],
-            actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncryptFrom", "kms:ReEncryptTo", "kms:GenerateDataKey",
-                     "kms:DescribeKey"],
-            resources=["*"],
-            conditions={"ArnEquals": {"kms:EncryptionContext:aws:logs:arn": stack.format_arn(
-                service="logs", resource="log-group", resource_name=log_group_name,
-                arn_format=ArnFormat.COLON_RESOURCE_NAME)}}))
-        self.log_group = logs.LogGroup(self, "Logs", log_group_name=log_group_name, encryption_key=self.log_key,
-                                       retention=log_retention, removal_policy=removal_policy)
+        self.log_group = encrypted_log_group(self, "Logs", log_group_name=log_group_name, key=self.log_key,
+                                             retention=log_retention, removal_policy=removal_policy)
 
         self.role = iam.Role(self, "ExecutionRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
                              role_name=role_name, description=f"Execution role of SageMaker endpoint {endpoint_name}")
