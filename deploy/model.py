@@ -37,10 +37,12 @@ def model_in_bucket(s3, *, bucket: str, model_prefix: str) -> bool:
         raise DeployError(f"could not read s3://{bucket}/{manifest_key(model_prefix)}: {exc}") from None
 
 
-def upload_arguments(source: str, gguf: Optional[Path], *, bucket: str, model_prefix: str, region: str) -> list[str]:
+def upload_arguments(gguf: Optional[Path], provenance: Optional[str], *, bucket: str, model_prefix: str,
+                     region: str) -> list[str]:
+    """``semif-package-model upload`` into ``model_prefix``; no GGUF: the embedded model, with its own provenance."""
     name, version = model_name_version(model_prefix)
     return ["upload", *([str(gguf)] if gguf else []), "--bucket", bucket, "--name", name, "--version", version,
-            "--region", region, "--source", source]
+            "--region", region, *(["--source", provenance] if provenance else [])]
 
 
 def ensure_model(s3, *, bucket: str, model_prefix: str, model_source: Optional[str], region: str,
@@ -74,10 +76,7 @@ def ensure_model(s3, *, bucket: str, model_prefix: str, model_source: Optional[s
             if not gguf.is_file():
                 raise DeployError(f"model_source {model_source}: no such file ({gguf})")
             provenance = f"file:{gguf.name}"
-        arguments = upload_arguments(provenance or "embedded", gguf, bucket=bucket, model_prefix=model_prefix,
-                                     region=region)
-        if provenance is None:
-            arguments = [a for i, a in enumerate(arguments) if not (a == "--source" or arguments[i - 1] == "--source")]
+        arguments = upload_arguments(gguf, provenance, bucket=bucket, model_prefix=model_prefix, region=region)
         say(f"uploading the model to s3://{bucket}/{model_prefix}")
         code = upload(arguments)
     if code != 0:

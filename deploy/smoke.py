@@ -59,13 +59,12 @@ def smoke(runtime, *, endpoint_name: str, expected_digest: str,
                                   f"/aws/sagemaker/Endpoints/{endpoint_name}") from None
             sleep(2.0 * attempt)
     try:
-        answer = json.loads(response["Body"].read())
-        served = answer["model"]["image_digest"]
-        SmokeResult(answer).record  # noqa: B018 - every field of the record must be there
+        result = SmokeResult(json.loads(response["Body"].read()))
+        served = result.record["image_digest"]  # every field of the record must be there
     except (ValueError, KeyError, TypeError) as exc:
         raise DeployError(f"{endpoint_name} answered the smoke decision without a reproducibility record ({exc!r})") from None
     if served != expected_digest:
         raise DeployError(f"{endpoint_name} answers from image {served}, not {expected_digest} that was just deployed: "
                           "the update did not take (a blue/green rollback keeps the old configuration InService); "
                           "see the endpoint's events and alarms")
-    return SmokeResult(answer)
+    return result

@@ -96,6 +96,17 @@ def _not_built(stub, tag):
                           expected_params={"repositoryName": "semif/dev/adapter", "imageIds": [{"imageTag": tag}]})
 
 
+def _a_new_build():
+    """Stubs for a tag not in the repository, no build of it running, and a build started for it."""
+    tag = image_tag(PROJECT, BASE_IMAGE)
+    ecr, ecr_stub = stubbed("ecr")
+    codebuild, cb_stub = stubbed("codebuild")
+    _not_built(ecr_stub, tag)
+    cb_stub.add_response("list_builds_for_project", {})
+    cb_stub.add_response("start_build", {"build": {"id": "semif-dev-adapter-image-cpu:1"}})
+    return tag, ecr, ecr_stub, codebuild, cb_stub
+
+
 def _build(status, *, phase="BUILD", exported=None, phases=None, tag=None):
     build = {"id": "semif-dev-adapter-image-cpu:1", "buildStatus": status, "currentPhase": phase,
              "logs": {"deepLink": LOG}, "environment": {"type": "LINUX_CONTAINER", "image": "x",
@@ -155,12 +166,7 @@ def test_a_new_build_is_started_with_the_resolved_base_and_waited_for_until_it_e
 
 
 def test_a_failed_build_fails_the_command_with_the_phase_the_reason_and_the_log_address():
-    tag = image_tag(PROJECT, BASE_IMAGE)
-    ecr, ecr_stub = stubbed("ecr")
-    codebuild, cb_stub = stubbed("codebuild")
-    _not_built(ecr_stub, tag)
-    cb_stub.add_response("list_builds_for_project", {})
-    cb_stub.add_response("start_build", {"build": {"id": "semif-dev-adapter-image-cpu:1"}})
+    tag, ecr, ecr_stub, codebuild, cb_stub = _a_new_build()
     cb_stub.add_response("batch_get_builds", _build("FAILED", phase="COMPLETED", phases=[
         {"phaseType": "SUBMITTED", "phaseStatus": "SUCCEEDED"},
         {"phaseType": "BUILD", "phaseStatus": "FAILED",
@@ -174,12 +180,7 @@ def test_a_failed_build_fails_the_command_with_the_phase_the_reason_and_the_log_
 
 
 def test_a_build_still_running_at_the_timeout_fails_with_its_log_and_the_next_run_waits_for_it_instead_of_a_new_one():
-    tag = image_tag(PROJECT, BASE_IMAGE)
-    ecr, ecr_stub = stubbed("ecr")
-    codebuild, cb_stub = stubbed("codebuild")
-    _not_built(ecr_stub, tag)
-    cb_stub.add_response("list_builds_for_project", {})
-    cb_stub.add_response("start_build", {"build": {"id": "semif-dev-adapter-image-cpu:1"}})
+    tag, ecr, ecr_stub, codebuild, cb_stub = _a_new_build()
     for _ in range(4):
         cb_stub.add_response("batch_get_builds", _build("IN_PROGRESS"))
     clock = Clock()
@@ -203,12 +204,7 @@ def test_a_build_still_running_at_the_timeout_fails_with_its_log_and_the_next_ru
 
 
 def test_a_build_that_succeeds_without_a_digest_is_a_failure():
-    tag = image_tag(PROJECT, BASE_IMAGE)
-    ecr, ecr_stub = stubbed("ecr")
-    codebuild, cb_stub = stubbed("codebuild")
-    _not_built(ecr_stub, tag)
-    cb_stub.add_response("list_builds_for_project", {})
-    cb_stub.add_response("start_build", {"build": {"id": "semif-dev-adapter-image-cpu:1"}})
+    tag, ecr, ecr_stub, codebuild, cb_stub = _a_new_build()
     cb_stub.add_response("batch_get_builds", _build("SUCCEEDED", exported={"IMAGE_DIGEST": ""}))
     with ecr_stub, cb_stub, pytest.raises(DeployError, match="exported no IMAGE_DIGEST"):
         ensure_image(codebuild, ecr, PROJECT, region=REGION, dlc_digest=DLC_DIGEST, timeout_s=60, say=lambda m: None)
