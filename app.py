@@ -29,7 +29,7 @@ from config import AppSettings, ConfigError, EnvironmentSettings, baseline_stage
 from config.pricing import monthly_cost_table
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute, InstancePool
-from constructs_lib.image_build import default_build_specs, image_repository_name, read_image_digests
+from constructs_lib.image_build import default_build_specs, image_repository_name, image_variants, read_image_digests
 from constructs_lib.image_sources import PLACEHOLDER_DIGEST, dlc_image_uri
 from constructs_lib.model_bucket import model_bucket_name
 from constructs_lib.model_check import manifest_key
@@ -325,7 +325,7 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
                       # The variants the stages run, and CPU, which every stage's Batch Transform runs: an all-CPU
                       # pipeline builds no CUDA image.
                       dlc_base_images={v: dlc_image_uri(pipeline.region, v, dlc[v]) for v in
-                                       sorted({settings.environment(n).variant for n in pipeline.stages} | {"cpu"})},
+                                       sorted({v for n in pipeline.stages for v in image_variants(settings.environment(n).variant)})},
                       pull_roles=sorted(arn for name in pipeline.stages
                                         for arn in image_pull_roles(settings.environment(name))))
     else:
@@ -335,7 +335,7 @@ def build_app(app: Optional[App] = None, *, config_path: Optional[Path] = None) 
         # Its variant, and CPU for its Batch Transform: a CPU environment builds one image, a GPU one two.
         builds = [spec for spec in default_build_specs(cpu_base_image=dlc_image_uri(env.region, "cpu", dlc["cpu"]),
                                                        gpu_base_image=dlc_image_uri(env.region, "gpu", dlc["gpu"]))
-                  if spec.variant in (env.variant, "cpu")]
+                  if spec.variant in image_variants(env.variant)]
         image = ImageStack(app, f"SemIf-{env.name}-Image", stack_name=f"semif-{env.name}-image", env=aws_env,
                            description=f"SemIf {env.name}: adapter image repository and its CodeBuild project",
                            env_name=env.name, builds=builds,

@@ -21,12 +21,11 @@ from typing import Mapping, Optional
 from aws_cdk import ArnFormat, Stack, aws_iam as iam, aws_kms as kms, aws_s3 as s3
 from constructs import Construct
 
-from config import settings_contract  # the SEMIF_* definition (the container package's)
 from constructs_lib.image_sources import ContainerImageSource
 from constructs_lib.model_bucket import BATCH_ROOT
 from constructs_lib.model_check import transform_tarball_key
 from constructs_lib.nag import acknowledge_wildcard_resource
-from constructs_lib.serving_endpoint import grant_model_runtime, isolated_model
+from constructs_lib.serving_endpoint import grant_model_runtime, grant_secret_references, isolated_model
 
 TRANSFORM_LOG_GROUP = "/aws/sagemaker/TransformJobs"
 INPUT_PATTERN = f"{BATCH_ROOT}*/in/*"
@@ -102,11 +101,7 @@ class BatchTransform(Construct):
         # JSON Lines on /invocations run under the batch limits only in a transform job's container; SageMaker's
         # SAGEMAKER_BATCH=true says so too, this keeps it explicit in the Model (SEMIF_BATCH_TRANSFORM).
         environment = {**environment, "SEMIF_BATCH_TRANSFORM": "1"}
-        # A secret the adapter reads at startup by reference (the log hash key): exactly the ARNs named.
-        secret_arns = sorted(arn for name, arn in environment.items() if name in settings_contract.SECRET_REFERENCES)
-        if secret_arns:
-            self.role.add_to_policy(iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"],
-                                                        resources=secret_arns))
+        grant_secret_references(self.role, environment)  # the log hash key, when it is set by reference
         self.cfn_model = isolated_model(self, role=self.role, image_uri=image_uri, bucket_name=model_bucket.bucket_name,
                                         model_prefix=model_prefix, environment=environment,
                                         model_data_url_key=self.model_data_key)

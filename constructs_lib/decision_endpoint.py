@@ -12,7 +12,7 @@ from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.endpoint_dashboard import endpoint_dashboard
 from constructs_lib.image_sources import BuiltImage, ContainerImageSource
-from constructs_lib.serving_endpoint import ServingEndpoint
+from constructs_lib.serving_endpoint import ServingEndpoint, grant_secret_references
 
 RESERVED_VARIABLES = frozenset({"SEMIF_IMAGE_DIGEST", "SEMIF_REQUIRE_GPU"})
 
@@ -63,12 +63,6 @@ class DecisionEndpoint(ServingEndpoint):
             adapter_low_margin_threshold=low_margin_threshold, role_name=role_name,
         )
         self.environment = environment  # the adapter's SEMIF_* as the Model gets them (Batch Transform reuses them)
-        # Exactly the secrets named by reference, nothing else. A secret encrypted with a customer managed key also
-        # needs kms:Decrypt for this role in that key's policy (the aws/secretsmanager key needs nothing more).
-        self.secret_arns = sorted(arn for name, arn in environment.items()
-                                  if name in settings_contract.SECRET_REFERENCES)
-        if self.secret_arns:
-            self.role.add_to_policy(iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"],
-                                                        resources=self.secret_arns))
+        grant_secret_references(self.role, environment)
         self.dashboard = endpoint_dashboard(self, dashboard_name=endpoint_name, endpoint_metric=self.metric,
                                             alarms=list(self.alarms.values()), adapter=self.adapter_metrics)

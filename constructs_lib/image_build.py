@@ -82,6 +82,11 @@ def image_project_name(variant: str, env_name: Optional[str] = None) -> str:
     return f"semif-adapter-image-{variant}" if env_name is None else f"semif-{env_name}-adapter-image-{variant}"
 
 
+def image_variants(variant: str) -> list[str]:
+    """The images an environment of ``variant`` runs: its endpoint's, and CPU, which its Batch Transform runs."""
+    return sorted({variant, "cpu"})
+
+
 def image_repository_name(env_name: Optional[str] = None) -> str:
     """The pipeline's central repository, or one environment's own (``env_name``): several environments of one
     account each keep their own."""
@@ -112,14 +117,17 @@ class AdapterImageRepository(Construct):
         """``keep_last_images``: per environment in ``environments`` (in promotion order, dev first), the images last
         deployed there; and of the images no environment was deployed with, the newest. An image an environment may
         still run (for a replacement instance, a scale-out, Batch Transform or a rollback) is never expired while it
-        is among the last ``keep_last_images`` that environment was deployed with."""
-        """``pull_roles``: the ARNs of the roles of other accounts that pull its images (each environment's endpoint
-        execution role and Batch Transform role, by their fixed names)."""
-        """``removal_policy``: the pipeline's repository is retained (prod may run any of its digests); one
+        is among the last ``keep_last_images`` that environment was deployed with.
+
+        ``pull_roles``: the ARNs of the roles of other accounts that pull its images (each environment's endpoint
+        execution role and Batch Transform role, by their fixed names).
+
+        ``removal_policy``: the pipeline's repository is retained (prod may run any of its digests); one
         environment's follows its tier, and a repository created by a failed first deploy never blocks the retry
         (RETAIN_ON_UPDATE_OR_DELETE, or DESTROY with the images removed)."""
         super().__init__(scope, id_)
         self.env_name = env_name
+        self.source: Optional[s3_assets.Asset] = None  # container/, once build_project made it
         self.key = kms.Key(self, "Key", description="SemIf adapter image repositories", enable_key_rotation=True,
                            removal_policy=removal_policy)
         self.repository = ecr.Repository(
@@ -234,17 +242,17 @@ class AdapterImageRepository(Construct):
         it with the resolved base image and the input-hash tag, and waits (docs/explanation/image.md)."""
         if self.env_name is None:
             raise ValueError("build_project is for one environment's repository (env_name)")
-        self.source = s3_assets.Asset(self, f"Source-{spec.variant}", path=str(source_dir),
-                                      exclude=list(SOURCE_EXCLUDES))
+        if self.source is None:  # one asset of container/ for every variant's project
+            self.source = s3_assets.Asset(self, f"Source-{spec.variant}", path=str(source_dir),
+                                          exclude=list(SOURCE_EXCLUDES))
         project_name = image_project_name(spec.variant, self.env_name)
         # The build log, created by the stack (CodeBuild would create one that never expires and outlives a
         # teardown), encrypted with the repository key.
-        self.build_log = encrypted_log_group(self, f"BuildLog-{spec.variant}",
-                                             log_group_name=f"/aws/codebuild/{project_name}", key=self.key,
-                                             retention=log_retention, removal_policy=removal_policy)
+        build_log = encrypted_log_group(self, f"BuildLog-{spec.variant}", log_group_name=f"/aws/codebuild/{project_name}",
+                                        key=self.key, retention=log_retention, removal_policy=removal_policy)
         project = codebuild.Project(
             self, f"Build-{spec.variant}", project_name=project_name,
-            logging=codebuild.LoggingOptions(cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=self.build_log)),
+            logging=codebuild.LoggingOptions(cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=build_log)),
             description=f"Builds the SemIf adapter image ({spec.variant}) for {self.env_name}",
             source=codebuild.Source.s3(bucket=self.source.bucket, path=self.source.s3_object_key),
             environment=codebuild.BuildEnvironment(build_image=codebuild.LinuxBuildImage.STANDARD_8_0,

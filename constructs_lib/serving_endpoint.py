@@ -31,6 +31,8 @@ from aws_cdk import (
 )
 from constructs import Construct
 
+from config import settings_contract  # the SEMIF_* definition (the container package's)
+
 from constructs_lib.adapter_metrics import AdapterLogMetrics, adapter_log_metrics
 from constructs_lib.endpoint_alarms import (INSTANCE_ALARMS, ROLLBACK_ALARMS, EndpointAlarmThresholds, alarm_name,
                                            notify, sagemaker_endpoint_alarms)
@@ -57,6 +59,15 @@ ROLE_NAME_MAX = 64
 
 def endpoint_log_group_name(endpoint_name: str) -> str:
     return f"/aws/sagemaker/Endpoints/{endpoint_name}"
+
+
+def grant_secret_references(role: iam.IRole, environment: Mapping[str, str]) -> None:
+    """Read exactly the secrets the adapter's environment names by reference (``SEMIF_*_SECRET_ARN``), nothing else.
+    A secret encrypted with a customer managed key also needs kms:Decrypt for the role in that key's policy (the
+    aws/secretsmanager key needs nothing more)."""
+    arns = sorted(arn for name, arn in environment.items() if name in settings_contract.SECRET_REFERENCES)
+    if arns:
+        role.add_to_principal_policy(iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"], resources=arns))
 
 
 def model_role_name(env_name: str, endpoint_name: str, kind: str) -> str:

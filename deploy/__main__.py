@@ -64,13 +64,20 @@ def _contexts(adapter_digests: dict[str, str], dlc_digests: dict[str, str]) -> d
 
 
 def variants_of(env) -> list[str]:
-    """The images an environment runs: its endpoint's variant, and CPU, which its Batch Transform runs."""
-    return sorted({env.variant, "cpu"})
+    """The images an environment runs (constructs_lib.image_build.image_variants)."""
+    from constructs_lib.image_build import image_variants
+
+    return image_variants(env.variant)
 
 
 def _stack_outputs(cloudformation, stack_name: str) -> dict[str, str]:
     (stack,) = cloudformation.describe_stacks(StackName=stack_name)["Stacks"]
     return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
+
+
+def _print_answer(result) -> None:
+    print(json.dumps({"choice": result.answer["choice"], "probabilities": result.answer["probabilities"],
+                      "record": result.record}, indent=2))
 
 
 def up(args, session, settings, env, cdk: Cdk) -> None:
@@ -131,8 +138,7 @@ def up(args, session, settings, env, cdk: Cdk) -> None:
     _step(f"one decision through {env.decision.endpoint_name}")
     result = smoke(session.client("sagemaker-runtime"), endpoint_name=env.decision.endpoint_name,
                    expected_digest=image.digest)
-    print(json.dumps({"choice": result.answer["choice"], "probabilities": result.answer["probabilities"],
-                      "record": result.record}, indent=2))
+    _print_answer(result)
 
 
 def smoke_only(args, session, settings, env, cdk: Cdk) -> None:
@@ -144,8 +150,7 @@ def smoke_only(args, session, settings, env, cdk: Cdk) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure to read it means the stack is not deployed
         raise DeployError(f"could not read {parameter} ({exc}): is {env.name} deployed (make deploy ENV={env.name})?") from None
     result = smoke(session.client("sagemaker-runtime"), endpoint_name=env.decision.endpoint_name, expected_digest=expected)
-    print(json.dumps({"choice": result.answer["choice"], "probabilities": result.answer["probabilities"],
-                      "record": result.record}, indent=2))
+    _print_answer(result)
 
 
 def down(args, session, settings, env, cdk: Cdk) -> None:

@@ -15,9 +15,9 @@ from botocore.exceptions import ClientError
 
 from constructs_lib.image_sources import DLC_REPOSITORY, DLC_TAGS, PLACEHOLDER_DIGEST, dlc_registry_account, dlc_image_uri
 
-from . import DeployError
+from stacks.pipeline_steps import DOCKER_MANIFEST  # the one manifest type SageMaker's CreateModel accepts
 
-DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+from . import DeployError
 # How many of the project's latest builds are searched for one already building the same tag.
 RECENT_BUILDS = 10
 

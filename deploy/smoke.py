@@ -13,6 +13,8 @@ from typing import Callable
 
 from botocore.exceptions import ClientError
 
+from constructs_lib.serving_endpoint import endpoint_log_group_name
+
 from . import DeployError
 
 SMOKE_DECISION = {
@@ -56,7 +58,7 @@ def smoke(runtime, *, endpoint_name: str, expected_digest: str,
             overloaded = exc.response.get("OriginalStatusCode") == 503 or "503" in str(error.get("Message", ""))
             if attempt == ATTEMPTS or not (overloaded or error.get("Code") == "ThrottlingException"):
                 raise DeployError(f"the smoke decision to {endpoint_name} failed: {exc}; the adapter's log: "
-                                  f"/aws/sagemaker/Endpoints/{endpoint_name}") from None
+                                  f"{endpoint_log_group_name(endpoint_name)}") from None
             sleep(2.0 * attempt)
     try:
         result = SmokeResult(json.loads(response["Body"].read()))

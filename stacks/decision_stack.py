@@ -7,6 +7,8 @@ from typing import Mapping, Optional
 from aws_cdk import CfnOutput, RemovalPolicy, Stack, aws_ecr as ecr, aws_kms as kms, aws_logs as logs, aws_s3 as s3, aws_sns as sns
 from constructs import Construct
 
+from config import settings_contract  # the SEMIF_* definition (the container package's)
+
 from constructs_lib.batch_transform import BatchTransform
 from constructs_lib.decision_endpoint import DecisionEndpoint
 from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
@@ -24,8 +26,8 @@ DEFAULT_CPU_BATCH_INSTANCE_TYPE = "ml.c6i.xlarge"
 def batch_environment(endpoint_environment: Mapping[str, str], *, image_digest: str) -> dict[str, str]:
     """The endpoint's adapter settings for the CPU batch Model: no GPU layers and no GPU required, its own image
     digest, and no API key (Batch Transform's requests carry no bearer token)."""
-    environment = {k: v for k, v in endpoint_environment.items()
-                   if k not in ("SEMIF_REQUIRE_GPU", "SEMIF_API_KEY_SECRET_ARN")}
+    api_key = settings_contract.BY_KEY["api_key"].reference_name
+    environment = {k: v for k, v in endpoint_environment.items() if k not in ("SEMIF_REQUIRE_GPU", api_key)}
     environment["SEMIF_N_GPU_LAYERS"] = "0"
     environment["SEMIF_IMAGE_DIGEST"] = image_digest
     return environment
@@ -62,8 +64,8 @@ class DecisionStack(Stack):
         # The image was built before this stack: by the pipeline in its account, or by `make deploy` in this
         # environment's own repository (docs/explanation/image.md).
         repository = ecr.Repository.from_repository_arn(self, "AdapterRepository", image_repository_arn)
-        self.image = BuiltImage(repository=repository, digest=image_digest,
-                                placeholder_lookup=placeholder_lookup or adapter_digest_lookup(image_repository_arn, env_name))
+        lookup = placeholder_lookup or adapter_digest_lookup(image_repository_arn, env_name)
+        self.image = BuiltImage(repository=repository, digest=image_digest, placeholder_lookup=lookup)
         self.endpoint = DecisionEndpoint(
             self, "Decision", endpoint_name=endpoint_name, image=self.image, model_bucket=model_bucket,
             model_key=model_key, model_prefix=model_prefix, adapter_environment=adapter_environment,
@@ -82,16 +84,12 @@ class DecisionStack(Stack):
         # image on a CPU instance on every environment: Batch Transform's GPU hosts offer NVIDIA drivers 470 and 535
         # only (TransformAmiVersion, https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TransformResources.html),
         # which cannot run the CUDA 13 adapter that the endpoints' gpu-4-1 hosts (driver 580) run.
-        if batch_image_digest is None or batch_image_digest == image_digest:
-            self.batch_image = self.image
-        else:
-            self.batch_image = BuiltImage(repository=repository, digest=batch_image_digest,
-                                          placeholder_lookup=placeholder_lookup
-                                          or adapter_digest_lookup(image_repository_arn, env_name))
+        batch_digest = batch_image_digest or image_digest
+        self.batch_image = self.image if batch_digest == image_digest else BuiltImage(
+            repository=repository, digest=batch_digest, placeholder_lookup=lookup)
         self.batch = BatchTransform(self, "Batch", image=self.batch_image, model_bucket=model_bucket,
                                     model_key=model_key, model_prefix=model_prefix,
-                                    environment=batch_environment(self.endpoint.environment,
-                                                                  image_digest=batch_image_digest or image_digest),
+                                    environment=batch_environment(self.endpoint.environment, image_digest=batch_digest),
                                     role_name=model_role_name(env_name, endpoint_name, "transform"))
         self.model_check.guard(self.batch.cfn_model)
 
