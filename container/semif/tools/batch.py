@@ -858,8 +858,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print_report(built, Console())
             console.print(f"wrote {args.out / 'report.json'} and {', '.join(built['plots']) or 'no plots'}")
             return 0
-        # JSON Lines end at "\n" only: a JSON string may hold U+2028, where str.splitlines() would split.
-        rows = [json.loads(line) for line in args.labeled.read_text().split("\n") if line.strip()]
+        rows = [json.loads(line) for line in read_input_lines(args.labeled)]  # "\n" only: U+2028 stays in a string
         with open(args.output, "w") as out:
             for row in rows:
                 out.write(json.dumps(request_from_labeled_row(row), ensure_ascii=False) + "\n")

@@ -181,7 +181,8 @@ class DecisionService:
                 total_ms=total_ms,
                 image_digest=self.settings.image_digest,
             )
-            payload = job.render(result, run)
+            # Off the event loop: a batch's render de-duplicates prompts that each hold the state.
+            payload = await asyncio.to_thread(job.render, result, run)
             fields.update(
                 status=200, queue_ms=round(admitted.queue_ms, 3), compute_ms=round(admitted.compute_ms, 3),
                 tokens=result.input_tokens, cached_tokens=result.cached_tokens, evaluated_tokens=result.evaluated_tokens,
