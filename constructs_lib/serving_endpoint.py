@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from typing import Mapping, Optional
 
 import jsii
@@ -20,6 +21,7 @@ from aws_cdk import (
     Duration,
     RemovalPolicy,
     Stack,
+    Token,
     aws_applicationautoscaling as appscaling,
     aws_cloudwatch as cloudwatch,
     aws_iam as iam,
@@ -55,6 +57,20 @@ MAX_DEPLOYMENT_S = 3 * 3600
 # IAM role names: at most 64 characters, unique in the account across every region
 # (https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_iam-quotas.html).
 ROLE_NAME_MAX = 64
+# SageMaker endpoint names: 1 to 63 letters, digits and inner hyphens
+# (EndpointName, https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_CreateEndpoint.html).
+ENDPOINT_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+
+
+def check_names(endpoint_name: str, role_name: Optional[str]) -> None:
+    """Refuse, at synth, the names SageMaker or IAM would refuse minutes into a deploy. The environments file checks
+    its own names; this covers an app that builds the constructs itself."""
+    if not Token.is_unresolved(endpoint_name) and not ENDPOINT_NAME.match(endpoint_name):
+        raise ValueError(f"endpoint_name: {endpoint_name!r} is not a SageMaker endpoint name (1 to 63 letters, digits "
+                         "and '-', starting and ending with a letter or digit)")
+    if role_name is not None and not Token.is_unresolved(role_name) and not 1 <= len(role_name) <= ROLE_NAME_MAX:
+        raise ValueError(f"role_name: {role_name!r} has {len(role_name)} characters; IAM allows 1 to {ROLE_NAME_MAX} "
+                         "(model_role_name shortens a long one)")
 
 
 def endpoint_log_group_name(endpoint_name: str) -> str:
@@ -106,6 +122,7 @@ class ServingEndpoint(Construct):
         """``adapter_low_margin_threshold`` marks an endpoint that runs the SemIf adapter: its JSON log lines
         become metrics, and its 503s (queue full) are alarmed on apart from other 5xx. ``role_name``: a fixed name
         for the execution role (model_role_name), for a repository policy that names it."""
+        check_names(endpoint_name, role_name)
         super().__init__(scope, id_)
         stack = Stack.of(self)
         self.endpoint_name = endpoint_name
