@@ -3,7 +3,7 @@
 The run uses an API key (`--key`), so the auth requirements are exercised too: `auth.bearer` (MUST),
 `auth.missing` and `auth.invalid` (SHOULD). Without a key the other conditional MUST, `auth.ignored-when-off`,
 applies instead; tests/test_systemone.py covers it. The JSON report is kept next to the test's temporary
-files, and its path printed; docs/jevcompat-report.json is a committed copy, and docs/reference/api.md has the command.
+files, and its path printed; results/jevcompat-report.json is a committed copy, and docs/reference/api.md has the command.
 """
 
 from __future__ import annotations

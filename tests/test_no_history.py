@@ -24,15 +24,25 @@ HISTORY_PATTERNS = {
     "a section number": re.compile(_SECTION + " ?[0-9]"),
     "a work round": re.compile(r"\bround " + "of work", re.I),
 }
+# Phrasings that date a page by the work behind it. Code and tests may say them (a test may name a request that
+# "was stopped"); README.md and docs/ are for users, who need the current figure and what to do, not its history.
+# This file is not under docs/, so these may be written out plainly.
+DOCS_HISTORY_PATTERNS = {
+    "a change dated by its commit": re.compile(r"\bsince commit\b", re.I),
+    "a run told against another": re.compile(r"\ba later run\b", re.I),
+    "a measurement that was cut short": re.compile(r"\bwas stopped\b", re.I),
+    "the code as it was": re.compile(r"\bthe code before\b", re.I),
+    "what used to be": re.compile(r"\bpreviously\b", re.I),
+}
 # Data files hold what tools wrote (case texts, raw results); the lines to police are prose and code.
 SKIPPED_SUFFIXES = {".json", ".jsonl", ".png", ".gguf", ".gz", ".whl", ".ico"}
 
 
-def history_lines(text: str) -> list[tuple[int, str, str]]:
+def history_lines(text: str, patterns: dict[str, re.Pattern] = HISTORY_PATTERNS) -> list[tuple[int, str, str]]:
     """(line number, pattern name, line) for every line of `text` that recounts the project's making."""
     found = []
     for number, line in enumerate(text.splitlines(), 1):
-        for name, pattern in HISTORY_PATTERNS.items():
+        for name, pattern in patterns.items():
             if pattern.search(line):
                 found.append((number, name, line.strip()))
     return found
@@ -72,6 +82,43 @@ def test_each_history_pattern_catches_the_phrasing_it_names(line):
 ])
 def test_ordinary_lines_are_not_taken_for_history(line):
     assert not history_lines(line), line
+
+
+def user_pages() -> list[Path]:
+    """README.md and every text file under docs/ that git tracks or would track."""
+    return [path for path in project_text_files()
+            if path == REPO / "README.md" or (REPO / "docs") in path.parents]
+
+
+@pytest.mark.parametrize("line", [
+    "v3 is what the server runs Since Commit `6d9410f`.",
+    "(A later run of label scoring alone gave 0.70.)",
+    "The injection run was stopped after 29 attacks.",
+    "the same cases on the code before `body.py`",
+    "Labels were previously read after an appended cue.",
+])
+def test_each_docs_history_pattern_catches_the_phrasing_it_names(line):
+    assert history_lines(line, DOCS_HISTORY_PATTERNS), line
+
+
+@pytest.mark.parametrize("line", [
+    "A request still computing after its deadline stops between two questions.",
+    "the code path before admission reads the body",
+    "a run that stopped at its deadline answers 504",
+    "Measured 2026-12-03 on commit 0688c74; rerun the command to refresh it.",
+])
+def test_ordinary_docs_lines_are_not_taken_for_history(line):
+    assert not history_lines(line, DOCS_HISTORY_PATTERNS), line
+
+
+def test_no_page_of_the_readme_or_docs_dates_itself_by_the_work_behind_it():
+    pages = user_pages()
+    assert REPO / "README.md" in pages and len(pages) >= 20, [str(p) for p in pages]
+    offending = [f"{path.relative_to(REPO)}:{number}: {name}: {line[:160]}"
+                 for path in pages for number, name, line in history_lines(path.read_text(encoding="utf-8"),
+                                                                          DOCS_HISTORY_PATTERNS)]
+    assert not offending, "lines of the README or docs/ that tell how a figure or the code came to be (give the " \
+                          "current figure, its command, date and commit instead):\n" + "\n".join(offending)
 
 
 def test_no_tracked_text_file_recounts_the_making_of_the_project():

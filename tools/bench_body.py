@@ -5,7 +5,7 @@ and 1 MiB.
 Each case runs in a subprocess of its own, so that its peak RSS (`resource.getrusage`) is its own; the
 same subprocess then repeats the case under tracemalloc for the peak of Python allocations.
 
-    .venv/bin/python tools/bench_body.py --json docs/bench-body.json
+    .venv/bin/python tools/bench_body.py --json results/bench-body.json
     .venv/bin/python tools/bench_body.py --src /path/to/other/checkout/container --sizes 65536 --timeout 60
 
 `--src` runs the same cases on another checkout's `semif` package (for a before/after); a case that does
