@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from serving import SAMPLE_DECISIONS, load_sample_decisions, start_cold
-from semif.serving.postprocess.calibration import Calibration, FitKind, softmax
+from semif.serving.postprocess.calibration import Calibration, FitKind, accuracy_coverage, softmax
 from semif.tools.client import SemIfClient
 from semif.tools.evaluate import (
     CaseOutcome,
@@ -23,8 +23,11 @@ from semif.tools.evaluate import (
     recommend_thresholds,
     run_eval,
     score_decisions,
+    threshold_line,
     write_plots,
 )
+from semif.tools.evaluate import main as eval_main
+from semif.tools.thresholds import Guard, TooFewDecisions
 from semif.serving.postprocess.policy import Policy
 from semif.tools.sagemaker_transport import RetryingTransport
 
@@ -85,14 +88,87 @@ def test_decision_scoring_matches_hand_computed_values():
     assert probs["accuracy"] == pytest.approx(1 / 3)
     assert probs["nll"] == pytest.approx((-np.log(0.9) - np.log(0.4) - np.log(0.2)) / 3)
     assert probs["brier"] == pytest.approx((0.02 + 0.72 + 1.28) / 3)
-    # confidences 0.9 (right), 0.6 (wrong), 0.8 (wrong): only 0.9 reaches 90 % accuracy, at coverage 1/3
-    assert report["recommended_thresholds"] == [
-        {"target_accuracy": 0.9, "reachable": True, "min_probability": 0.9, "coverage": 1 / 3, "accuracy": 1.0, "accepted": 1}]
+    # three valid answers are far too few to choose a cut-point on
+    assert report["recommended_thresholds"] == []
+    assert report["thresholds"]["status"] == "refused" and report["thresholds"]["n"] == 3
     assert "calibration_cv" not in report  # no logits, nothing to refit
 
 
 def test_unreachable_target_accuracy_is_reported_as_such():
-    assert recommend_thresholds([0.9, 0.8], [False, False], (0.5,)) == [{"target_accuracy": 0.5, "reachable": False}]
+    [entry] = recommend_thresholds([0.9] * 25 + [0.8] * 25, [False] * 50, (0.5,))
+    assert entry["target_accuracy"] == 0.5 and entry["reachable"] is False and "min_probability" not in entry
+
+
+# ---- thresholds: chosen on all rows, reported out of bag ------------------------------------------------
+
+
+def _scored(n: int, *, seed: int, right: float | None = None) -> tuple[list[float], list[bool]]:
+    """n confidences in [0.4, 1); each right with probability `right`, or with its confidence (calibrated)."""
+    rng = np.random.default_rng(seed)
+    confidences = rng.uniform(0.4, 1.0, n)
+    correct = rng.random(n) < (confidences if right is None else right)
+    return confidences.tolist(), correct.tolist()
+
+
+def test_thresholds_are_refused_below_50_labeled_decisions():
+    with pytest.raises(TooFewDecisions, match="49 labeled decisions; a cut-point needs at least 50"):
+        recommend_thresholds(*_scored(49, seed=1), (0.8,))
+    assert recommend_thresholds(*_scored(50, seed=1), (0.8,))[0]["n"] == 50
+    rows = [{"id": str(i), "category": "a", "answer": "x", "options": [{"id": "x"}, {"id": "y"}]} for i in range(49)]
+    outcomes = [CaseOutcome(latency_ms=1, probabilities=[c, 1 - c]) for c in _scored(49, seed=1)[0]]
+    report = score_decisions(rows, outcomes, folds=2, seed=0, min_per_decision=5, priors=None, policy=None, targets=(0.8,))
+    assert report["recommended_thresholds"] == [] and report["thresholds"]["status"] == "refused"
+    assert threshold_line(report).startswith("refused: 49 labeled decisions")
+
+
+def _labeled_rows(path, n: int) -> None:
+    path.write_text("\n".join(json.dumps({"id": str(i), "state": "s", "question": "q", "options": [{"id": "x"}, {"id": "y"}],
+                                          "answer": "x"}) for i in range(n)))
+
+
+def test_semif_eval_asked_for_thresholds_on_49_cases_exits_2_before_running_any(tmp_path, capsys):
+    _labeled_rows(tmp_path / "small.jsonl", 49)
+    # No adapter listens on port 9: a run that got as far as the cases would report their errors instead.
+    code = eval_main([str(tmp_path / "small.jsonl"), "--url", "http://127.0.0.1:9", "--target-accuracy", "0.9",
+                      "--max-attempts", "1", "--max-elapsed-s", "0.1", "--no-progress", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--target-accuracy" in err and "49 labeled decisions; a cut-point needs at least 50" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_thresholds_on_fewer_than_200_decisions_are_provisional_and_say_so():
+    small = recommend_thresholds(*_scored(199, seed=2), (0.7, 0.8))
+    firm = recommend_thresholds(*_scored(200, seed=2), (0.7, 0.8))
+    assert [e["provisional"] for e in small] == [True, True]
+    assert [e["provisional"] for e in firm] == [False, False]
+    rows = [{"id": str(i), "category": "a", "answer": "x", "options": [{"id": "x"}, {"id": "y"}]} for i in range(199)]
+    confidences, correct = _scored(199, seed=2)
+    outcomes = [CaseOutcome(latency_ms=1, probabilities=[c, 1 - c] if ok else [1 - c, c]) for c, ok in zip(confidences, correct)]
+    report = score_decisions(rows, outcomes, folds=2, seed=0, min_per_decision=5, priors=None, policy=None, targets=(0.7,))
+    assert report["thresholds"]["status"] == "provisional" and report["thresholds"]["provisional"] is True
+    assert "[provisional: 199 labeled decisions < 200" in threshold_line(report)
+
+
+def test_out_of_bag_accuracy_shows_the_optimism_of_a_cut_point_chosen_on_its_own_rows():
+    # Right 3 times in 4 whatever the confidence: a cut-point that "reaches" 90 % does so by luck of the draw.
+    [entry] = recommend_thresholds(*_scored(300, seed=7, right=0.75), (0.9,))
+    assert entry["reachable"] and entry["basis"] == "out-of-bag"
+    assert entry["in_sample"]["accuracy"] >= 0.9
+    assert entry["accuracy"] < entry["in_sample"]["accuracy"] - entry["accuracy_se"] / 2
+    assert entry["accuracy"] < 0.9
+
+
+def test_the_cut_point_is_the_all_rows_pick_and_the_figures_are_seeded():
+    confidences, correct = _scored(300, seed=3)
+    [first] = recommend_thresholds(confidences, correct, (0.85,), Guard(resamples=300, seed=5))
+    [again] = recommend_thresholds(confidences, correct, (0.85,), Guard(resamples=300, seed=5))
+    [other] = recommend_thresholds(confidences, correct, (0.85,), Guard(resamples=300, seed=6))
+    assert first == again and first["accuracy"] != other["accuracy"]
+    curve = accuracy_coverage(confidences, correct)
+    lowest = max((p for p in curve if p["accuracy"] >= 0.85), key=lambda p: p["coverage"])
+    assert first["min_probability"] == other["min_probability"] == lowest["threshold"]
+    assert first["in_sample"] == {"accuracy": lowest["accuracy"], "coverage": lowest["coverage"], "accepted": lowest["accepted"]}
 
 
 def test_policy_report_counts_actions_coverage_and_accuracy_of_accepted():

@@ -12,10 +12,14 @@ Each line: {"id", "category", "state", "question", "options": [{"id", "descripti
 
 Reports validity, accuracy (overall, per category), the top confusions, client-side latency, tokens,
 NLL, Brier, ECE (15 bins), accuracy/coverage, the abstention policy's coverage and accuracy, thresholds
-for target accuracies, cross-validated calibration (temperature, contextual), and with --compare-chat
-the same cases through chat generation. Writes report.json (with per-case results) and PNGs, to a folder
-or an s3:// prefix (SSE-KMS); with --baseline/--limits, also the release gate's verdict (semif.tools.gate),
-exiting 1 when a limit fails. See docs/how-to/evaluate-a-model.md.
+for target accuracies (chosen on all cases, reported out of bag: semif.tools.thresholds), cross-validated
+calibration (temperature, contextual), and with --compare-chat the same cases through chat generation.
+Writes report.json (with per-case results) and PNGs, to a folder or an s3:// prefix (SSE-KMS); with
+--baseline/--limits, also the release gate's verdict (semif.tools.gate), exiting 1 when a limit fails. See docs/how-to/evaluate-a-model.md.
+
+    semif-eval check labels.jsonl --thresholds report.json --target-accuracy 0.9      # semif.tools.outcome_check
+
+applies saved thresholds to answers people have labeled since, and exits 1 when they drifted.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .. import __version__
 from ..serving.postprocess.calibration import Case, Calibration, FitKind, accuracy_coverage, cross_validate, probability_metrics, reliability_bins, softmax
 from ..serving.postprocess.policy import Policy, decide
 from ..serving.engine.prompt import SYSTEM_TEXT, TEMPLATE_VERSION, Outcome, Question, options_sha256, render_state_block
+from .thresholds import DEFAULT_RESAMPLES, MIN_DECISIONS, Guard, TooFewDecisions, recommend_thresholds, threshold_summary
 
 CONTENT_FREE_STATES = ("N/A", "[MASK]", "None")
 DEFAULT_TARGETS = (0.8, 0.9, 0.95)
@@ -317,20 +322,12 @@ def latency_summary(values: Sequence[float]) -> dict:
     return {"p50_ms": percentile(values, 50), "p95_ms": percentile(values, 95), "max_ms": max(values) if values else None, "n": len(values)}
 
 
-def recommend_thresholds(confidences: Sequence[float], correct: Sequence[bool], targets: Sequence[float] = DEFAULT_TARGETS) -> list[dict]:
-    """For each target accuracy: the lowest `min_probability` whose accepted cases reach it (the
-    largest coverage that does), or `reachable: false`."""
-    curve = accuracy_coverage(confidences, correct)
-    out = []
-    for target in targets:
-        ok = [p for p in curve if p["accuracy"] >= target]
-        if ok:
-            best = max(ok, key=lambda p: p["coverage"])
-            out.append({"target_accuracy": target, "reachable": True, "min_probability": round(best["threshold"], 6),
-                        "coverage": best["coverage"], "accuracy": best["accuracy"], "accepted": best["accepted"]})
-        else:
-            out.append({"target_accuracy": target, "reachable": False})
-    return out
+def threshold_fields(confidences: Sequence[float], correct: Sequence[bool], targets: Sequence[float], guard: Guard) -> dict:
+    """A run's `recommended_thresholds` (empty when refused) and `thresholds` (status, n, basis)."""
+    summary = threshold_summary(len(confidences), guard)
+    if summary["status"] == "refused":
+        return {"recommended_thresholds": [], "thresholds": summary}
+    return {"recommended_thresholds": recommend_thresholds(confidences, correct, targets, guard), "thresholds": summary}
 
 
 def policy_report(probabilities: Sequence[Sequence[float]], answers: Sequence[int], policy: Policy) -> dict:
@@ -348,8 +345,10 @@ def policy_report(probabilities: Sequence[Sequence[float]], answers: Sequence[in
 
 
 def score_decisions(rows: list[dict], outcomes: list[CaseOutcome], *, folds: int, seed: int, min_per_decision: int,
-                    priors: Optional[dict], policy: Optional[Policy], targets: Sequence[float]) -> dict:
+                    priors: Optional[dict], policy: Optional[Policy], targets: Sequence[float],
+                    resamples: int = DEFAULT_RESAMPLES) -> dict:
     n = len(rows)
+    guard = Guard(resamples=resamples, seed=seed)
     valid = [i for i, o in enumerate(outcomes) if o.valid]
     answers_all = [[o["id"] for o in r["options"]].index(r["answer"]) for r in rows]
     predicted = {i: rows[i]["options"][int(np.argmax(outcomes[i].probabilities))]["id"] for i in valid}
@@ -382,7 +381,7 @@ def score_decisions(rows: list[dict], outcomes: list[CaseOutcome], *, folds: int
     correct = [int(np.argmax(p)) == y for p, y in zip(served, answers)]
     report["reliability"] = reliability_bins(confidences, correct)
     report["accuracy_coverage"] = accuracy_coverage(confidences, correct)
-    report["recommended_thresholds"] = recommend_thresholds(confidences, correct, targets)
+    report.update(threshold_fields(confidences, correct, targets, guard))
     if policy is not None and valid:
         report["policy"] = policy_report(served, answers, policy)
     with_logits = [i for i in valid if outcomes[i].option_logits is not None]
@@ -396,7 +395,7 @@ def score_decisions(rows: list[dict], outcomes: list[CaseOutcome], *, folds: int
             ok = [int(np.argmax(p)) == c.answer for p, c in zip(probs, cases)]
             cv_report["curves"][method] = accuracy_coverage(conf, ok)
             cv_report["reliability"][method] = reliability_bins(conf, ok)
-            cv_report.setdefault("recommended_thresholds", {})[method] = recommend_thresholds(conf, ok, targets)
+            cv_report.setdefault("recommended_thresholds", {})[method] = threshold_fields(conf, ok, targets, guard)["recommended_thresholds"]
             if policy is not None:
                 cv_report.setdefault("policy", {})[method] = policy_report(probs, [c.answer for c in cases], policy)
         report["calibration_cv"] = cv_report
@@ -480,6 +479,7 @@ class EvalConfig:
     policy: Optional[Policy] = None
     targets: tuple[float, ...] = DEFAULT_TARGETS
     chat_max_tokens: int = 16
+    resamples: int = DEFAULT_RESAMPLES  # bootstrap resamples behind each threshold's out-of-bag figures
 
 
 def run_eval(target, rows: list[dict], config: EvalConfig, *, progress: Optional[Callable[[str, int], None]] = None,
@@ -505,7 +505,7 @@ def run_eval(target, rows: list[dict], config: EvalConfig, *, progress: Optional
     for scoring in config.scorings:
         priors = content_free_priors(target, rows, scoring) if config.contextual else None
         run = score_decisions(rows, outcomes[scoring], folds=config.folds, seed=config.seed, min_per_decision=config.min_per_decision,
-                              priors=priors, policy=config.policy, targets=config.targets)
+                              priors=priors, policy=config.policy, targets=config.targets, resamples=config.resamples)
         run["cases_detail"] = [
             {"id": row["id"], "category": row["category"], "answer": row["answer"],
              "predicted": row["options"][int(np.argmax(o.probabilities))]["id"] if o.valid else None,
@@ -538,7 +538,8 @@ def run_eval(target, rows: list[dict], config: EvalConfig, *, progress: Optional
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": {"folds": config.folds, "seed": config.seed, "min_per_decision": config.min_per_decision,
                    "contextual": config.contextual, "content_free_states": list(CONTENT_FREE_STATES),
-                   "chat_max_tokens": config.chat_max_tokens, "targets": list(config.targets)},
+                   "chat_max_tokens": config.chat_max_tokens, "targets": list(config.targets),
+                   "resamples": config.resamples},
     }
     return report
 
@@ -606,9 +607,26 @@ def print_report(report: dict, console=None) -> None:
             p = run["policy"]
             console.print(f"[bold]Policy ({scoring})[/bold] {json.dumps(p['policy'])}: actions {p['actions']}, "
                           f"coverage {_fmt(p['coverage'], pct=True)}, accuracy of accepted {_fmt(p['accuracy_accepted'], pct=True)}")
-        recs = ", ".join(f"{r['target_accuracy']:.0%}: min_probability ≥ {r['min_probability']:.3f} (coverage {r['coverage']:.0%})"
-                         if r["reachable"] else f"{r['target_accuracy']:.0%}: not reachable" for r in run["recommended_thresholds"])
-        console.print(f"[bold]Thresholds ({scoring}, as served)[/bold]: {recs}")
+        console.print(f"[bold]Thresholds ({scoring}, as served)[/bold]: {threshold_line(run)}")
+
+
+def threshold_line(run: dict) -> str:
+    """One line on a run's cut-points: each target's, with its out-of-bag accuracy and coverage."""
+    summary = run.get("thresholds") or {}
+    if summary.get("status") == "refused":
+        return f"refused: {summary['reason']}"
+
+    def one(r: dict) -> str:
+        if not r["reachable"]:
+            return f"{r['target_accuracy']:.0%}: not reachable ({r.get('reason', 'no cut-point reaches it')})"
+        return (f"{r['target_accuracy']:.0%}: min_probability ≥ {r['min_probability']:.3f}, out-of-bag accuracy "
+                f"{r['accuracy']:.1%} ± {_fmt(r.get('accuracy_se'), pct=True)}, coverage {r['coverage']:.0%} "
+                f"(in-sample {r['in_sample']['accuracy']:.1%}, {r['in_sample']['coverage']:.0%})")
+
+    line = "; ".join(one(r) for r in run["recommended_thresholds"])
+    if summary.get("provisional"):
+        line += f" [provisional: {summary['reason']}]"
+    return line
 
 
 def write_plots(report: dict, out_dir: Path, *, prefix: str = "") -> list[str]:
@@ -748,22 +766,34 @@ def parse_scorings(raw: str) -> tuple[str, ...]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Exit status: 0 done (and the gate passed, when one was asked for), 1 a gate limit failed,
-    2 bad arguments or input, 3 the target cannot be opened."""
+    2 bad arguments or input (thresholds asked for with --target-accuracy on too few labeled cases
+    included), 3 the target cannot be opened. `semif-eval check …` is semif.tools.outcome_check."""
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments[:1] == ["check"]:
+        from .outcome_check import main as check_main
+
+        return check_main(arguments[1:])
     from .gate import GateError, add_gate_arguments, compare, load_baseline, load_json_argument, parse_limits, print_verdict
     from .storage import Storage, StorageError
 
-    parser = argparse.ArgumentParser(prog="semif-eval", description="Evaluate SemIf decisions on labeled data.")
+    parser = argparse.ArgumentParser(
+        prog="semif-eval", description="Evaluate SemIf decisions on labeled data. `semif-eval check LABELS --thresholds FILE`: "
+                                       "check saved thresholds on answers labeled since (semif-eval check --help).")
     add_target_arguments(parser)
     parser.add_argument("--compare-chat", action="store_true", help="also run the cases through chat generation")
     parser.add_argument("--calibration", help="calibration file to apply in-process (--model)")
     parser.add_argument("--policy", help='abstention policy JSON, e.g. \'{"min_probability": 0.7, "min_margin": 0.2, "fallback": "escalate"}\'')
-    parser.add_argument("--target-accuracy", default="0.8,0.9,0.95", help="accuracies to recommend thresholds for")
+    parser.add_argument("--target-accuracy", default=None,
+                        help=f"accuracies to recommend thresholds for (default: 0.8,0.9,0.95); given explicitly, fewer than "
+                             f"{MIN_DECISIONS} labeled cases is an error")
+    parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES,
+                        help="bootstrap resamples behind each threshold's out-of-bag accuracy and coverage (seeded by --seed)")
     parser.add_argument("--out", default="semif-eval-out", help="directory or s3:// prefix for report.json and the PNGs")
     parser.add_argument("--prefix", default="", help="prefix of the PNG file names")
     parser.add_argument("--kms-key-id", help="KMS key for objects written to S3 (default: the bucket's default KMS key)")
     parser.add_argument("--no-progress", action="store_true")
     add_gate_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -801,9 +831,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not rows:
         console.print(f"semif-eval: {args.data}: no labeled cases")
         return 2
+    try:
+        targets = parse_targets(args.target_accuracy) if args.target_accuracy is not None else DEFAULT_TARGETS
+    except ValueError as exc:
+        console.print(f"semif-eval: --target-accuracy: {exc}")
+        return 2
+    if args.resamples < 2:
+        console.print(f"semif-eval: --resamples: {args.resamples} < 2: a standard error needs at least 2 resamples")
+        return 2
+    # Thresholds asked for by name are refused before any case runs, when the labeled set is too small for them.
+    thresholds_asked = args.target_accuracy is not None
+    if thresholds_asked and len(rows) < MIN_DECISIONS:
+        console.print(f"semif-eval: --target-accuracy: {args.data}: {TooFewDecisions(len(rows))} (or leave out "
+                      "--target-accuracy to evaluate without thresholds)")
+        return 2
     config = EvalConfig(scorings=scorings, compare_chat=args.compare_chat, contextual=not args.no_contextual,
                         folds=args.folds, seed=args.seed, min_per_decision=args.min_per_decision, policy=policy,
-                        targets=tuple(float(t) for t in args.target_accuracy.split(",") if t.strip()))
+                        targets=targets, resamples=args.resamples)
     try:
         target = make_target(args)
     except Exception as exc:
@@ -842,12 +886,37 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print_report(report, Console() if sys.stdout.isatty() else Console(width=160))  # wide tables in logs too
     console.print(f"wrote {written} and {', '.join(report['plots'])}")
+    refused = [s for s, run in report["runs"].items() if (run.get("thresholds") or {}).get("status") == "refused"]
     if verdict is not None:
         if gate_note:
             console.print(gate_note)
         print_verdict(verdict, Console() if sys.stdout.isatty() else Console(width=160))
+    if thresholds_asked and refused:
+        # Fewer valid answers than labeled cases (errors, invalid answers) can still leave too few.
+        console.print(f"semif-eval: --target-accuracy: thresholds refused ({', '.join(refused)}): "
+                      f"{report['runs'][refused[0]]['thresholds']['reason']}")
+        return 2
+    if verdict is not None:
         return 0 if verdict.passed else 1
     return 0
+
+
+def parse_targets(raw: str) -> tuple[float, ...]:
+    """Target accuracies from "0.8,0.9": each a number in (0, 1]."""
+    targets = []
+    for item in (t.strip() for t in raw.split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"{item!r} is not a number") from None
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{item} is not in (0, 1]")
+        targets.append(value)
+    if not targets:
+        raise ValueError("give at least one accuracy, e.g. 0.9")
+    return tuple(targets)
 
 
 def write_report_plots(report: dict, out: str, storage, *, prefix: str = "") -> list[str]:
