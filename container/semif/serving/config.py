@@ -196,7 +196,7 @@ def _secret_value(variable: str, arn: str) -> str:
     try:
         import boto3
     except ImportError:
-        raise SettingsError(f"{variable} is set but boto3 is not installed (pip install 'semif[secrets]')") from None
+        raise SettingsError(f"{variable} is set but boto3 is not installed (pip install boto3)") from None
     try:
         answer = boto3.client("secretsmanager", region_name=parts[3]).get_secret_value(SecretId=arn)
     except Exception as exc:  # botocore's errors (access denied, no such secret, no credentials) all stop startup

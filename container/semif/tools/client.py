@@ -7,6 +7,9 @@
     result["choice"], result["probabilities"], result.attempts
 
 For System One or OpenAI Decisions use the official SDKs with `semif.tools.sagemaker_transport`.
+
+This module and the transport need the package's base install alone (boto3, httpx: `pip install ./container`);
+they import nothing of `semif.serving` (tests/test_light_client.py).
 """
 
 from __future__ import annotations
