@@ -22,14 +22,18 @@ def free_port() -> int:
 
 
 class BenchServer:
-    def __init__(self, model: Optional[Path], *, ready_timeout_s: float = 180, **env_overrides):
+    def __init__(self, model: Optional[Path], *, ready_timeout_s: float = 180, log_path: Optional[Path] = None,
+                 **env_overrides):
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("SEMIF_")}
         env.update(SEMIF_HOST="127.0.0.1", SEMIF_PORT=str(self.port), SEMIF_LOG_LEVEL="WARNING", SEMIF_MODEL_DIR="/nonexistent")
         if model is not None:
             env["SEMIF_MODEL_PATH"] = str(model)
         env.update({k: str(v) for k, v in env_overrides.items()})
-        self.proc = subprocess.Popen([str(SERVE), "serve"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # log_path: the server's JSON log lines (stdout) go there, e.g. to read each request's batch_requests
+        self._log = open(log_path, "wb") if log_path is not None else None
+        self.proc = subprocess.Popen([str(SERVE), "serve"], env=env, stdout=self._log or subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=300)
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
@@ -60,3 +64,5 @@ class BenchServer:
         self.http.close()
         self.proc.terminate()
         self.proc.wait(timeout=30)
+        if self._log is not None:
+            self._log.close()

@@ -14,9 +14,11 @@ never depends on other questions or other clients. This module is the other path
   it takes the requests waiting for the model and hands them to ``execute_batch`` in one go.
 
 Batch shape changes the kernels' float accumulation, so batched answers drift from serial ones
-(measured in docs/benchmarks.md, "Several sequences per decode"), and with the collector one client's
-answer depends on which other requests shared its decode. Plans the batched path cannot run (sequence
-scoring, models that cannot rewind a sequence partially) go through the serial ``Engine.execute``.
+(measured in docs/benchmarks.md, "Batching"), and with the collector one client's
+answer depends on which other requests shared its decode. Plans the batched path cannot run (``batchable``
+is False: sequence scoring, order debiasing, the injection check, a second look, models that cannot
+rewind a sequence partially) go through the serial ``Engine.execute``; the collector hands each of them
+over alone, so that no batch waits for one.
 """
 
 from __future__ import annotations

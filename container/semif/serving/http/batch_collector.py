@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..engine.batching import execute_batch
+from ..engine.batching import batchable, execute_batch
 from ..engine.plan import PromptPlan
 from .admission import Abandoned, Admission, Admitted, Cancellation, Overloaded, wait_admitted
 
@@ -34,7 +34,13 @@ class BatchCollector:
     of waiting, 503 ``queue_timeout``; while draining, 503 ``shutting_down``. A request being computed
     no longer waits, as in the serial path. When the model comes free, the collector takes the waiting
     requests in arrival order while their questions fit ``n_seq`` sequences (always at least one) and
-    decodes them together. It adds no delay: a lone request on an idle server starts at once."""
+    decodes them together. It adds no delay: a lone request on an idle server starts at once.
+
+    A request ``execute_batch`` cannot decode with others (``batchable`` is False: cloze scoring, order
+    debiasing, the injection check, a second look) is taken alone, in its turn, and runs on the serial
+    path as a computation of its own: a batch never waits for it, and it never waits for a batch it is
+    not part of. Requests that arrived after it still wait for it, as they would on the serial path;
+    letting them overtake would let steady batchable traffic hold it until its queue timeout."""
 
     def __init__(self, admission: Admission, engine, *, n_seq: int):
         self.admission = admission
@@ -93,13 +99,10 @@ class BatchCollector:
         taken: list[_Waiting] = []
         questions = 0
         while self._pending:
-            n = max(1, len(self._pending[0].plan.questions))
-            if taken and questions + n > self.n_seq:
-                break
-            # A second look generates for up to its deadline per question: it runs alone, so that no
-            # other request's answer waits for it.
-            alone = getattr(self._pending[0].plan, "second_look", None) is not None
-            if taken and alone:
+            head = self._pending[0]
+            n = max(1, len(head.plan.questions))
+            alone = not batchable(self.engine, head.plan)
+            if taken and (alone or questions + n > self.n_seq):
                 break
             taken.append(self._pending.popleft())
             questions += n
