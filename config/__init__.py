@@ -21,13 +21,32 @@ from typing import Any, Literal, Mapping, Optional
 
 CONFIG_PATH = Path(__file__).with_name("environments.json")
 
-# The SEMIF_* settings are defined once, in the container package. The deploy machine (and the pipeline's synth)
-# installs requirements.txt only, without the package: then it comes from the source tree. The module is standard
-# library only, so neither llama.cpp nor Starlette is needed to synthesize.
-if importlib.util.find_spec("semif") is None:
-    sys.path.append(str(Path(__file__).resolve().parents[1] / "container"))
-from semif.serving import settings_contract  # noqa: E402
-from semif.serving.settings_contract import OPERATOR, SECRET, SettingsError  # noqa: E402
+# The SEMIF_* settings are defined once, in the container package of this checkout. It is standard library only, so
+# neither llama.cpp nor Starlette is needed to synthesize.
+CONTAINER_DIR = Path(__file__).resolve().parents[1] / "container"
+SETTINGS_CONTRACT_PATH = CONTAINER_DIR / "semif" / "serving" / "settings_contract.py"
+
+
+def _checkout_settings_contract() -> types.ModuleType:
+    """This checkout's ``semif.serving.settings_contract``, never another ``semif`` on sys.path (a client package of
+    another version, say), which would render and validate against a different contract than the image's. Where the
+    importable ``semif`` is this checkout's (an editable install), that module is shared, so the container code and
+    the config hold the same classes; otherwise the file is loaded by its path."""
+    found = importlib.util.find_spec("semif")
+    origin = Path(found.origin).resolve() if found is not None and found.origin else None
+    if origin == CONTAINER_DIR / "semif" / "__init__.py":
+        return importlib.import_module("semif.serving.settings_contract")
+    name = "config._settings_contract"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SETTINGS_CONTRACT_PATH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+settings_contract = _checkout_settings_contract()
+OPERATOR, SECRET, SettingsError = settings_contract.OPERATOR, settings_contract.SECRET, settings_contract.SettingsError
 
 
 class ConfigError(ValueError):

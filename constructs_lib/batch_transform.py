@@ -26,6 +26,7 @@ from constructs_lib.model_bucket import BATCH_ROOT
 from constructs_lib.model_check import transform_tarball_key
 from constructs_lib.nag import acknowledge_wildcard_resource
 from constructs_lib.serving_endpoint import grant_model_runtime, grant_secret_references, isolated_model
+from constructs_lib.trust import sagemaker_principal
 
 TRANSFORM_LOG_GROUP = "/aws/sagemaker/TransformJobs"
 INPUT_PATTERN = f"{BATCH_ROOT}*/in/*"
@@ -49,7 +50,7 @@ class BatchTransform(Construct):
         it."""
         super().__init__(scope, id_)
         stack = Stack.of(self)
-        self.role = iam.Role(self, "TransformRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
+        self.role = iam.Role(self, "TransformRole", assumed_by=sagemaker_principal(stack),
                              role_name=role_name,
                              description="Execution role of the decision model's Batch Transform jobs")
 

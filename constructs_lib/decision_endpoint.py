@@ -12,7 +12,7 @@ from constructs_lib.endpoint_alarms import EndpointAlarmThresholds
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.endpoint_dashboard import endpoint_dashboard
 from constructs_lib.image_sources import BuiltImage, ContainerImageSource
-from constructs_lib.serving_endpoint import ServingEndpoint, grant_secret_references
+from constructs_lib.serving_endpoint import LEAST_OUTSTANDING_REQUESTS, ServingEndpoint, grant_secret_references
 
 RESERVED_VARIABLES = frozenset({"SEMIF_IMAGE_DIGEST", "SEMIF_REQUIRE_GPU"})
 
@@ -36,7 +36,12 @@ class DecisionEndpoint(ServingEndpoint):
         log_retention: logs.RetentionDays,
         removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
         role_name: Optional[str] = None,
+        routing_strategy: Optional[str] = LEAST_OUTSTANDING_REQUESTS,
     ) -> None:
+        """``routing_strategy``: how SageMaker spreads requests over the instances. Least outstanding requests by
+        default: each instance admits 1 running + SEMIF_MAX_QUEUE waiting requests and answers 503 beyond, so random
+        routing can refuse on a busy instance while another is idle. "RANDOM", or None (SageMaker's default, which is
+        random), change it."""
         bad = sorted(k for k in adapter_environment if not k.startswith("SEMIF_") or k in RESERVED_VARIABLES)
         if bad:
             raise ValueError(f"adapter_environment: {', '.join(bad)} not allowed (SEMIF_* only; "
@@ -60,7 +65,7 @@ class DecisionEndpoint(ServingEndpoint):
             scope, id_, endpoint_name=endpoint_name, image=image, model_bucket=model_bucket, model_key=model_key,
             model_prefix=model_prefix, environment=environment, compute=compute, alarm_topic=alarm_topic,
             alarm_thresholds=alarm_thresholds, log_retention=log_retention, removal_policy=removal_policy,
-            adapter_low_margin_threshold=low_margin_threshold, role_name=role_name,
+            adapter_low_margin_threshold=low_margin_threshold, role_name=role_name, routing_strategy=routing_strategy,
         )
         self.environment = environment  # the adapter's SEMIF_* as the Model gets them (Batch Transform reuses them)
         grant_secret_references(self.role, environment)

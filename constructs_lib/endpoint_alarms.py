@@ -31,7 +31,7 @@ ROLLBACK_LATENCY_MIN_REQUESTS = 20
 INSTANCE_NAMESPACE = "/aws/sagemaker/Endpoints"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EndpointAlarmThresholds:
     invocation_5xx_per_5min: int
     model_latency_p95_ms: int

@@ -11,7 +11,22 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 MAX_INSTANCE_POOLS = 5
-# Container startup health check: the llama.cpp DLC docs ask for at least 600 s.
+# ProductionVariant limits (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ProductionVariant.html),
+# as the SageMaker service model of the pinned boto3 states them (tests/cdk/test_endpoint_constructs.py compares):
+# ContainerStartupHealthCheckTimeoutInSeconds and ModelDataDownloadTimeoutInSeconds 60 to 3600,
+# VariantInstanceProvisionTimeoutInSeconds 300 to 3600, and the InferenceAmiVersion values.
+MAX_TIMEOUT_S = 3600
+MIN_MODEL_DOWNLOAD_S = 60
+MIN_PROVISION_TIMEOUT_S = 300
+INFERENCE_AMI_VERSIONS = (
+    "al2-ami-sagemaker-inference-gpu-2",
+    "al2-ami-sagemaker-inference-gpu-2-1",
+    "al2-ami-sagemaker-inference-gpu-3-1",
+    "al2-ami-sagemaker-inference-neuron-2",
+    "al2023-ami-sagemaker-inference-gpu-4-1",
+)
+# Container startup health check: SageMaker accepts 60 s; this project requires 600 s, what the llama.cpp DLC's docs
+# ask for (loading a GGUF on a cold instance).
 MIN_STARTUP_HEALTH_CHECK_S = 600
 
 _INSTANCE_TYPE = re.compile(r"^ml\.[a-z0-9]+\.[a-z0-9]+$")
@@ -26,13 +41,14 @@ VCPUS_BY_SIZE = {"large": 2, "xlarge": 4, "2xlarge": 8, "4xlarge": 16, "8xlarge"
 _GPUS_BY_SIZE = {"12xlarge": 4, "24xlarge": 4, "48xlarge": 8}
 
 
+# Positional as well (``InstancePool("ml.g6.xlarge", 1)``): app.py builds pools that way, and the pair reads plainly.
 @dataclass(frozen=True)
 class InstancePool:
     instance_type: str
     priority: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EndpointCompute:
     min_instances: int
     max_instances: int
@@ -72,6 +88,10 @@ class EndpointCompute:
                 problems.append(f"instance pool types must be unique, got {types}")
         elif self.provision_timeout_s is not None:
             problems.append("provision_timeout_s applies to instance_pools only")
+        if self.provision_timeout_s is not None and not (
+                MIN_PROVISION_TIMEOUT_S <= self.provision_timeout_s <= MAX_TIMEOUT_S):
+            problems.append(f"provision_timeout_s must be {MIN_PROVISION_TIMEOUT_S} to {MAX_TIMEOUT_S}, "
+                            f"got {self.provision_timeout_s}")
         for instance_type in self.instance_types:
             if not _INSTANCE_TYPE.match(instance_type):
                 problems.append(f"'{instance_type}' is not a SageMaker instance type (ml.<family>.<size>)")
@@ -79,10 +99,13 @@ class EndpointCompute:
             problems.append(f"need 1 <= min_instances ({self.min_instances}) <= max_instances ({self.max_instances})")
         if self.target_concurrency <= 0:
             problems.append("target_concurrency must be positive")
-        if not MIN_STARTUP_HEALTH_CHECK_S <= self.startup_health_check_timeout_s <= 3600:
-            problems.append(f"startup_health_check_timeout_s must be {MIN_STARTUP_HEALTH_CHECK_S} to 3600")
-        if not 60 <= self.model_download_timeout_s <= 3600:
-            problems.append("model_download_timeout_s must be 60 to 3600")
+        if not MIN_STARTUP_HEALTH_CHECK_S <= self.startup_health_check_timeout_s <= MAX_TIMEOUT_S:
+            problems.append(f"startup_health_check_timeout_s must be {MIN_STARTUP_HEALTH_CHECK_S} to {MAX_TIMEOUT_S}")
+        if not MIN_MODEL_DOWNLOAD_S <= self.model_download_timeout_s <= MAX_TIMEOUT_S:
+            problems.append(f"model_download_timeout_s must be {MIN_MODEL_DOWNLOAD_S} to {MAX_TIMEOUT_S}")
+        if self.inference_ami_version is not None and self.inference_ami_version not in INFERENCE_AMI_VERSIONS:
+            problems.append(f"inference_ami_version {self.inference_ami_version!r} is not one of "
+                            f"{', '.join(INFERENCE_AMI_VERSIONS)}")
         if self.inference_ami_version and not self.has_gpu:
             problems.append("inference_ami_version is for GPU instance types only")
         return problems

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from aws_cdk import Duration, RemovalPolicy, aws_iam as iam, aws_kms as kms, aws_s3 as s3
+from aws_cdk import Duration, RemovalPolicy, Token, aws_iam as iam, aws_kms as kms, aws_s3 as s3
 from constructs import Construct
 
 from constructs_lib.nag import checkov_skip
@@ -17,6 +17,34 @@ from constructs_lib.nag import checkov_skip
 MODELS_ROOT = "models/"
 # Batch Transform data: batch/<job>/in/ (records) and batch/<job>/out/ (answers); see constructs_lib/batch_transform.py.
 BATCH_ROOT = "batch/"
+# The one object a model prefix may name instead of a directory (S3Object + Gzip).
+TARBALL_SUFFIX = ".tar.gz"
+
+
+def check_model_prefix(model_prefix: str) -> None:
+    """Refuse, at synth, a model prefix that is neither a directory (ends in '/') nor one ``.tar.gz`` object.
+
+    SageMaker: "A valid key name prefix identified by S3Uri always ends with a forward slash (/)" (S3DataType
+    S3Prefix, https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_S3ModelDataSource.html). Without the
+    slash, the read grant ``<prefix>*`` would also match ``models/r/10/`` beside ``models/r/1``.
+    """
+    if Token.is_unresolved(model_prefix):
+        return
+    if model_prefix.startswith("/") or not (model_prefix.endswith("/") and model_prefix.strip("/")
+                                            or model_prefix.endswith(TARBALL_SUFFIX)):
+        raise ValueError(f"model_prefix: {model_prefix!r} is not a model location; end it with '/' (a directory, "
+                         f"e.g. models/<name>/<version>/) or '{TARBALL_SUFFIX}' (one object), with no leading '/'")
+
+
+def check_model_key(model_key: kms.IKey) -> None:
+    """Refuse a KMS alias where the key's own ARN is needed: "When an alias is the value of a resource element, the
+    policy applies to the alias resource, not to any KMS key that might be associated with it"
+    (https://docs.aws.amazon.com/kms/latest/developerguide/alias-authorization.html), so a role granted
+    kms:Decrypt on an alias ARN cannot decrypt the model. An ARN with tokens is checked for what it spells."""
+    arn = model_key.key_arn
+    if ":alias/" in arn or (not Token.is_unresolved(arn) and ":key/" not in arn):
+        raise ValueError(f"model_key: {arn!r} is not a KMS key ARN (arn:<partition>:kms:<region>:<account>:key/<id>);"
+                         " an alias ARN in an IAM policy grants the alias, not the key it points to")
 
 
 def model_bucket_name(project: str, env_name: str, account: str, region: str) -> str:
@@ -98,6 +126,7 @@ class ModelBucket(Construct):
         )
 
     def model_s3_uri(self, model_prefix: str) -> str:
+        check_model_prefix(model_prefix)
         return f"s3://{self.bucket.bucket_name}/{model_prefix}"
 
     def grant_read_model(self, grantee: iam.IGrantable, model_prefix: str) -> None:
@@ -106,8 +135,11 @@ class ModelBucket(Construct):
 
 
 def grant_model_read(grantee: iam.IGrantable, *, bucket: s3.IBucket, key: kms.IKey, model_prefix: str) -> str:
-    """Returns the object pattern granted (the prefix + ``*``, or the one ``.tar.gz`` key)."""
-    object_pattern = model_prefix if model_prefix.endswith(".tar.gz") else f"{model_prefix}*"
+    """Returns the object pattern granted (the prefix + ``*``, or the one ``.tar.gz`` key). A prefix that is not a
+    directory or a ``.tar.gz``, or a key given by its alias, raises ValueError (check_model_prefix, check_model_key)."""
+    check_model_prefix(model_prefix)
+    check_model_key(key)
+    object_pattern = model_prefix if model_prefix.endswith(TARBALL_SUFFIX) else f"{model_prefix}*"
     iam.Grant.add_to_principal(
         grantee=grantee, actions=["s3:GetObject"], resource_arns=[bucket.arn_for_objects(object_pattern)]
     )

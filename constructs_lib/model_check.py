@@ -14,6 +14,7 @@ from pathlib import Path
 from aws_cdk import CustomResource, Duration, RemovalPolicy, Stack, aws_iam as iam, aws_kms as kms, aws_lambda as lambda_, aws_logs as logs, aws_s3 as s3
 from constructs import Construct
 
+from constructs_lib.model_bucket import check_model_key, check_model_prefix
 from constructs_lib.nag import acknowledge_wildcard_resource, checkov_skip
 
 HANDLER_DIR = Path(__file__).resolve().parent.parent / "lambda" / "model_check"
@@ -62,8 +63,8 @@ class ModelCheck(Construct):
                  transform_tarball: bool = False) -> None:
         """``transform_tarball``: the stack also runs Batch Transform on this model, so its tarball is checked."""
         super().__init__(scope, id_)
-        if not (model_prefix.endswith("/") or model_prefix.endswith(".tar.gz")):
-            raise ValueError(f"model_prefix {model_prefix!r}: end it with '/' (a directory) or '.tar.gz'")
+        check_model_prefix(model_prefix)  # the same rule as the endpoint's and its grant's
+        check_model_key(model_key)
         stack = Stack.of(self)
         self.model_prefix = model_prefix
         self.manifest_key = manifest_key(model_prefix)

@@ -41,8 +41,9 @@ from constructs_lib.endpoint_alarms import (INSTANCE_ALARMS, ROLLBACK_ALARMS, En
 from constructs_lib.endpoint_compute import EndpointCompute
 from constructs_lib.image_sources import ContainerImageSource
 from constructs_lib.log_groups import encrypted_log_group
-from constructs_lib.model_bucket import grant_model_read
+from constructs_lib.model_bucket import TARBALL_SUFFIX, check_model_prefix, grant_model_read
 from constructs_lib.nag import acknowledge_wildcard_resource
+from constructs_lib.trust import sagemaker_principal
 
 VARIANT_NAME = "AllTraffic"
 # Blue/green: how long the canary (or the whole new fleet, for one-instance endpoints) serves before the rest of
@@ -52,6 +53,14 @@ TERMINATION_WAIT_S = 600
 # A GPU fleet may wait for capacity (VariantInstanceProvisionTimeoutInSeconds, at most 1 h, shared by all its
 # pools), then download the model and start: a blue/green update gets three hours in all.
 MAX_DEPLOYMENT_S = 3 * 3600
+# How the endpoint spreads requests over its instances (ProductionVariantRoutingConfig.RoutingStrategy,
+# https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ProductionVariantRoutingConfig.html; CloudFormation:
+# https://docs.aws.amazon.com/AWSCloudFormation/latest/TemplateReference/aws-properties-sagemaker-endpointconfig-routingconfig.html).
+# Without a RoutingConfig SageMaker routes at RANDOM. LEAST_OUTSTANDING_REQUESTS sends a request to "the specific
+# instances that have more capacity to process them": an adapter instance admits 1 running + SEMIF_MAX_QUEUE waiting
+# requests and answers 503 beyond, so random routing can fill one instance's queue while another is idle.
+LEAST_OUTSTANDING_REQUESTS = "LEAST_OUTSTANDING_REQUESTS"
+ROUTING_STRATEGIES = (LEAST_OUTSTANDING_REQUESTS, "RANDOM")
 
 
 # IAM role names: at most 64 characters, unique in the account across every region
@@ -118,11 +127,16 @@ class ServingEndpoint(Construct):
         removal_policy: RemovalPolicy = RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
         adapter_low_margin_threshold: Optional[float] = None,
         role_name: Optional[str] = None,
+        routing_strategy: Optional[str] = None,
     ) -> None:
         """``adapter_low_margin_threshold`` marks an endpoint that runs the SemIf adapter: its JSON log lines
         become metrics, and its 503s (queue full) are alarmed on apart from other 5xx. ``role_name``: a fixed name
-        for the execution role (model_role_name), for a repository policy that names it."""
+        for the execution role (model_role_name), for a repository policy that names it. ``routing_strategy``:
+        the variant's RoutingConfig (one of ROUTING_STRATEGIES); None leaves SageMaker's default (RANDOM)."""
         check_names(endpoint_name, role_name)
+        if routing_strategy is not None and routing_strategy not in ROUTING_STRATEGIES:
+            raise ValueError(f"routing_strategy: {routing_strategy!r} is not one of {', '.join(ROUTING_STRATEGIES)}")
+        check_model_prefix(model_prefix)
         super().__init__(scope, id_)
         stack = Stack.of(self)
         self.endpoint_name = endpoint_name
@@ -142,7 +156,7 @@ class ServingEndpoint(Construct):
         self.log_group = encrypted_log_group(self, "Logs", log_group_name=log_group_name, key=self.log_key,
                                              retention=log_retention, removal_policy=removal_policy)
 
-        self.role = iam.Role(self, "ExecutionRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
+        self.role = iam.Role(self, "ExecutionRole", assumed_by=sagemaker_principal(stack),
                              role_name=role_name, description=f"Execution role of SageMaker endpoint {endpoint_name}")
         image_uri = grant_model_runtime(self, self.role, image=image, model_bucket=model_bucket, model_key=model_key,
                                         model_prefix=model_prefix)
@@ -194,6 +208,8 @@ class ServingEndpoint(Construct):
             container_startup_health_check_timeout_in_seconds=compute.startup_health_check_timeout_s,
             # GPU hosts: an AMI whose NVIDIA driver runs the image's CUDA (SageMaker's default may not).
             inference_ami_version=compute.inference_ami_version,
+            routing_config=(sagemaker.CfnEndpointConfig.RoutingConfigProperty(routing_strategy=routing_strategy)
+                            if routing_strategy else None),
         )
         self.cfn_endpoint_config = sagemaker.CfnEndpointConfig(
             self,
@@ -376,8 +392,9 @@ def isolated_model(scope: Construct, *, role: iam.Role, image_uri: str, bucket_n
 
 
 def _model_data(bucket_name: str, model_prefix: str) -> dict:
+    check_model_prefix(model_prefix)  # an S3Prefix S3Uri must end in '/'
     uri = f"s3://{bucket_name}/{model_prefix}"
-    if model_prefix.endswith(".tar.gz"):
+    if model_prefix.endswith(TARBALL_SUFFIX):
         source = sagemaker.CfnModel.S3DataSourceProperty(s3_uri=uri, s3_data_type="S3Object",
                                                          compression_type="Gzip")
     else:

@@ -5,7 +5,7 @@ The stack imports your model bucket and its KMS key, pins the adapter image in y
 runs the decision endpoint on it, and grants your service's role invoke on that endpoint alone. cdk-nag's
 AwsSolutions checks run on every synth; an unacknowledged finding fails it.
 
-    npx cdk synth        # in this folder; the values come from the context in cdk.json (README.md)
+    npx cdk synth        # in this folder, in the virtualenv cdk.json's python is; values: cdk.json (README.md)
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from typing import Optional
 
 # Where the SemIf repository is checked out (a git submodule, say): constructs_lib/ and config/ are imported from it.
 SEMIF_HOME = Path(os.environ.get("SEMIF_HOME", Path(__file__).resolve().parents[2]))
+if not all((SEMIF_HOME / package / "__init__.py").is_file() for package in ("constructs_lib", "config")):
+    raise SystemExit(f"error: SEMIF_HOME: {SEMIF_HOME} is not a SemIf checkout (no constructs_lib/ and config/); "
+                     "set SEMIF_HOME to the folder you cloned SemIf into")
 sys.path.insert(0, str(SEMIF_HOME))
 
 from aws_cdk import (App, CfnOutput, Environment, Stack, Validations, aws_ecr as ecr, aws_iam as iam,  # noqa: E402
@@ -31,6 +34,7 @@ from constructs_lib.endpoint_compute import EndpointCompute  # noqa: E402
 from constructs_lib.image_sources import BuiltImage  # noqa: E402
 from constructs_lib.model_check import ModelCheck  # noqa: E402
 from constructs_lib.serving_endpoint import target_concurrency  # noqa: E402
+from constructs_lib.trust import ecs_tasks_principal  # noqa: E402
 
 # The context keys this app reads (cdk.json, or -c key=value).
 CONTEXT_KEYS = ("endpoint-name", "model-bucket", "model-key-arn", "model-prefix", "adapter-repository",
@@ -73,7 +77,8 @@ class DecisionServiceStack(Stack):
         check.guard(self.endpoint.cfn_model)
 
         # The role your service runs as (an ECS task role here); iam.Role.from_role_arn takes one you already have.
-        self.caller_role = iam.Role(self, "CallerRole", assumed_by=iam.ServicePrincipal("ecs-tasks.amazonaws.com"),
+        # Only ECS tasks of this account and region may assume it (trust.ecs_tasks_principal).
+        self.caller_role = iam.Role(self, "CallerRole", assumed_by=ecs_tasks_principal(self),
                                     description=f"Calls the {endpoint_name} decision endpoint")
         self.endpoint.grant_invoke(self.caller_role)
 
@@ -89,10 +94,15 @@ def build_app(app: Optional[App] = None) -> App:
     missing = [key for key, value in values.items() if not value]
     if missing:
         raise ValueError(f"context: set {', '.join(missing)} in cdk.json or with -c key=value")
+    # The account and region of the credentials `cdk` runs with. The model bucket and the image must be in that
+    # region, and a stack without one would synthesize region-agnostic ARNs.
+    region = os.environ.get("CDK_DEFAULT_REGION")
+    if not region:
+        raise ValueError("CDK_DEFAULT_REGION is not set: give the credentials `cdk` runs with a region "
+                         "(AWS_REGION, or region in the profile's ~/.aws/config), the region of your model bucket")
     DecisionServiceStack(
         app, "DecisionService", **{key.replace("-", "_"): str(value) for key, value in values.items()},
-        # The account and region of the credentials `cdk` runs with.
-        env=Environment(account=os.environ.get("CDK_DEFAULT_ACCOUNT"), region=os.environ.get("CDK_DEFAULT_REGION")),
+        env=Environment(account=os.environ.get("CDK_DEFAULT_ACCOUNT"), region=region),
     )
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return app

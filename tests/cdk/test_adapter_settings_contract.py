@@ -202,3 +202,24 @@ def test_the_config_loads_without_the_container_package_or_its_heavy_dependencie
     first, module = done.stdout.split()
     assert first == "SEMIF_LOG_LEVEL"
     assert Path(module) == REPO / "container" / "semif" / "serving" / "settings_contract.py"
+
+
+def test_the_config_uses_the_checkouts_contract_even_when_another_semif_is_importable_first(tmp_path):
+    """A `semif` installed from another version (the light client, say) must not become the contract the CDK app
+    validates and renders against: the image is built from this checkout's container/."""
+    foreign = tmp_path / "site" / "semif" / "serving"
+    foreign.mkdir(parents=True)
+    (foreign.parent / "__init__.py").write_text("")
+    (foreign / "__init__.py").write_text("")
+    (foreign / "settings_contract.py").write_text("raise ImportError('the foreign settings contract was imported')\n")
+    script = ("import config, semif\n"
+              "print(semif.__file__)\n"
+              "print(config.settings_contract.__file__)\n"
+              "print(sorted(config.load_settings().environment('dev').decision.adapter.to_environment())[0])\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                          env={"PYTHONPATH": f"{tmp_path / 'site'}:{REPO}"}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    foreign_semif, module, first = done.stdout.split()
+    assert Path(foreign_semif) == foreign.parent / "__init__.py"  # the foreign package is the importable one
+    assert Path(module) == REPO / "container" / "semif" / "serving" / "settings_contract.py"
+    assert first == "SEMIF_LOG_LEVEL"

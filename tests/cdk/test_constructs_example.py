@@ -47,13 +47,17 @@ def example_context(**overrides) -> dict:
     return {**context, "adapter-image-digest": DIGEST, **overrides}
 
 
-def synth_example(outdir: Path, **overrides):
+def build_example(outdir: Path, context: dict, *, region: str = REGION) -> App:
     with pytest.MonkeyPatch.context() as env:
         # What the CDK CLI sets from the credentials it runs with.
         env.setenv("CDK_DEFAULT_ACCOUNT", ACCOUNT)
-        env.setenv("CDK_DEFAULT_REGION", REGION)
-        app = load_example().build_app(App(outdir=str(outdir), context=example_context(**overrides)))
-        return app, app.synth()
+        env.setenv("CDK_DEFAULT_REGION", region)
+        return load_example().build_app(App(outdir=str(outdir), context=context))
+
+
+def synth_example(outdir: Path, **overrides):
+    app = build_example(outdir, example_context(**overrides))
+    return app, app.synth()
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +97,7 @@ def test_every_acknowledged_finding_in_the_example_names_one_finding_and_its_rea
 
 def test_an_unreviewed_resource_in_the_example_fails_its_synth(tmp_path):
     """cdk-nag is live in the example: a bucket without logging or an SSL policy stops synth."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("CDK_DEFAULT_ACCOUNT", ACCOUNT)
-        env.setenv("CDK_DEFAULT_REGION", REGION)
-        app = load_example().build_app(App(outdir=str(tmp_path), context=example_context()))
+    app = build_example(tmp_path, example_context())
     s3.Bucket(app.node.find_child("DecisionService"), "Unreviewed")
     with pytest.raises(RuntimeError, match="ValidationFailed"):
         app.synth()
@@ -149,17 +150,17 @@ def test_the_example_names_the_context_keys_it_misses(tmp_path):
     context = example_context()
     del context["model-bucket"], context["alarm-topic-arn"]
     with pytest.raises(ValueError, match="context: set model-bucket, alarm-topic-arn in cdk.json"):
-        load_example().build_app(App(outdir=str(tmp_path), context=context))
+        build_example(tmp_path, context)
 
 
 @pytest.mark.parametrize("name", ["team_decisions", "-team", "team-", "a" * 64])
 def test_an_endpoint_name_sagemaker_would_refuse_fails_synth_naming_the_field(tmp_path, name):
     with pytest.raises(ValueError, match=f"endpoint_name: '{name}' is not a SageMaker endpoint name"):
-        load_example().build_app(App(outdir=str(tmp_path), context=example_context(**{"endpoint-name": name})))
+        build_example(tmp_path, example_context(**{"endpoint-name": name}))
 
 
 def test_an_endpoint_name_sagemaker_accepts_passes(tmp_path):
-    app = load_example().build_app(App(outdir=str(tmp_path), context=example_context(**{"endpoint-name": "Team-2"})))
+    app = build_example(tmp_path, example_context(**{"endpoint-name": "Team-2"}))
     assert app.node.find_child("DecisionService").endpoint.endpoint_name == "Team-2"
 
 
@@ -169,6 +170,56 @@ def test_a_role_name_iam_would_refuse_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="role_name: 'r+' has 65 characters; IAM allows 1 to 64"):
         check_names("team-decisions", "r" * (ROLE_NAME_MAX + 1))
     check_names("team-decisions", model_role_name("prod", "a" * 63, "endpoint"))  # shortened to fit
+
+
+def test_the_example_refuses_to_synthesize_without_a_region(tmp_path):
+    """A stack without a region synthesizes region-agnostic ARNs; the model bucket and the image must be in the
+    endpoint's region (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ContainerDefinition.html)."""
+    with pytest.raises(ValueError, match="CDK_DEFAULT_REGION is not set"):
+        build_example(tmp_path, example_context(), region="")
+
+
+def test_the_example_names_semif_home_when_it_holds_no_checkout(tmp_path):
+    """Not a ModuleNotFoundError for 'config' or 'constructs_lib', but the variable to set."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SEMIF_HOME", str(tmp_path))
+        with pytest.raises(SystemExit, match=f"SEMIF_HOME: {tmp_path} is not a SemIf checkout"):
+            load_example()
+
+
+def test_the_example_serves_a_model_prefix_sagemaker_accepts_and_refuses_one_without_its_slash(example, tmp_path):
+    _, _, template = example
+    ((_, model),) = resources(template, "AWS::SageMaker::Model").items()
+    source = model["Properties"]["PrimaryContainer"]["ModelDataSource"]["S3DataSource"]
+    assert source["S3DataType"] == "S3Prefix" and source["S3Uri"].endswith("/")
+    with pytest.raises(ValueError, match="model_prefix: 'models/routing/1' is not a model location"):
+        build_example(tmp_path, example_context(**{"model-prefix": "models/routing/1"}))
+
+
+def test_the_example_refuses_a_model_key_given_by_its_alias(tmp_path):
+    alias = f"arn:aws:kms:{REGION}:{ACCOUNT}:alias/team-models"
+    with pytest.raises(ValueError, match="model_key: .*alias/team-models' is not a KMS key ARN"):
+        build_example(tmp_path, example_context(**{"model-key-arn": alias}))
+
+
+def test_the_example_endpoint_routes_to_the_least_busy_instance(example):
+    _, _, template = example
+    ((_, config),) = resources(template, "AWS::SageMaker::EndpointConfig").items()
+    (production_variant,) = config["Properties"]["ProductionVariants"]
+    assert production_variant["RoutingConfig"] == {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}
+
+
+def test_only_ecs_tasks_of_this_account_and_region_may_assume_the_caller_role(example):
+    """Cross-service confused deputy, as ECS documents it for a task role
+    (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task-iam-roles.html)."""
+    stack, _, template = example
+    caller = template["Resources"][stack.get_logical_id(stack.caller_role.node.default_child)]
+    assert caller["Properties"]["AssumeRolePolicyDocument"]["Statement"] == [{
+        "Action": "sts:AssumeRole", "Effect": "Allow", "Principal": {"Service": "ecs-tasks.amazonaws.com"},
+        "Condition": {
+            "ArnLike": {"aws:SourceArn": {"Fn::Join": ["", [
+                "arn:", {"Ref": "AWS::Partition"}, f":ecs:{REGION}:{ACCOUNT}:*"]]}},
+            "StringEquals": {"aws:SourceAccount": ACCOUNT}}}]
 
 
 # ---- the reference page ----

@@ -63,7 +63,8 @@ def stacks():
     app = App()
     gpu, gpu_endpoint = decision_stack(app, "Gpu", compute_=compute(
         # Deliberately out of order: the construct emits them by priority.
-        instance_pools=[InstancePool(t, p) for t, p in reversed(GPU_POOLS)], provision_timeout_s=1800,
+        instance_pools=[InstancePool(instance_type=t, priority=p) for t, p in reversed(GPU_POOLS)],
+        provision_timeout_s=1800,
         min_instances=2, max_instances=4, inference_ami_version=GPU_AMI))
     cpu, cpu_endpoint = decision_stack(app, "Cpu", compute_=compute(instance_type="ml.c6i.8xlarge"),
                                        model_prefix="models/m/2/model.tar.gz")
@@ -628,3 +629,175 @@ def test_model_role_names_fit_iam_and_keep_environments_and_kinds_apart():
     names = {model_role_name(env, longest, kind) for env in ("staging", "staging2") for kind in ("endpoint", "transform")}
     assert len(names) == 4
     assert all(len(n) <= 64 and re.fullmatch(r"[\w+=,.@-]+", n) for n in names)
+
+
+# ---- model location and key (a prefix SageMaker refuses, a grant wider than the model, an alias for a key) ----
+
+def _decision(model_prefix: str = "models/m/1/", key_arn: str = None, **props):
+    stack = Stack(App(), "Check", env=ENV)
+    bucket, key, topic, repo = _deps(stack)
+    if key_arn is not None:
+        key = kms.Key.from_key_arn(stack, "OtherKey", key_arn)
+    return DecisionEndpoint(
+        stack, "D", endpoint_name="check-decision", image=BuiltImage(repository=repo, digest=DIGEST),
+        model_bucket=bucket, model_key=key, model_prefix=model_prefix, adapter_environment=ADAPTER.to_environment(),
+        compute=compute(instance_type="ml.c6i.xlarge"), alarm_topic=topic, alarm_thresholds=THRESHOLDS,
+        low_margin_threshold=0.1, log_retention=logs.RetentionDays.ONE_DAY, **props)
+
+
+@pytest.mark.parametrize("prefix", ["models/r/1", "models/r/1/model.gguf", "/models/r/1/", "/", "models/r/1.tar"])
+def test_a_model_prefix_that_is_neither_a_directory_nor_a_tarball_is_refused_naming_the_field(prefix):
+    """SageMaker refuses an S3Prefix S3Uri without its trailing '/', and the read grant 'models/r/1*' would also match
+    models/r/10/ (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_S3ModelDataSource.html)."""
+    with pytest.raises(ValueError, match=f"model_prefix: '{re.escape(prefix)}' is not a model location"):
+        _decision(model_prefix=prefix)
+
+
+def test_the_grant_helpers_refuse_a_prefix_without_its_slash_too():
+    from constructs_lib.model_bucket import ModelBucket, grant_model_read
+
+    stack = Stack(App(), "Grant", env=ENV)
+    bucket, key, _, _ = _deps(stack)
+    role = iam.Role(stack, "Reader", assumed_by=iam.AccountPrincipal("123456789012"))
+    with pytest.raises(ValueError, match="model_prefix: 'models/r/1' is not a model location"):
+        grant_model_read(role, bucket=bucket, key=key, model_prefix="models/r/1")
+    models = ModelBucket(stack, "Models")
+    with pytest.raises(ValueError, match="model_prefix: 'models/r/1' is not a model location"):
+        models.grant_read_model(role, "models/r/1")
+    assert grant_model_read(role, bucket=bucket, key=key, model_prefix="models/r/1/") == "models/r/1/*"
+
+
+def test_a_model_key_given_by_its_alias_arn_is_refused_naming_the_field():
+    """An alias ARN in an identity policy's Resource controls the alias, not the key
+    (https://docs.aws.amazon.com/kms/latest/developerguide/alias-authorization.html): the download would fail."""
+    with pytest.raises(ValueError, match="model_key: 'arn:aws:kms:us-east-1:123456789012:alias/models' is not a KMS"):
+        _decision(key_arn="arn:aws:kms:us-east-1:123456789012:alias/models")
+
+
+def test_a_model_key_imported_as_an_alias_is_refused_even_with_a_partition_token():
+    from constructs_lib.model_bucket import grant_model_read
+
+    stack = Stack(App(), "Alias", env=ENV)
+    bucket, _, _, _ = _deps(stack)
+    role = iam.Role(stack, "Reader", assumed_by=iam.AccountPrincipal("123456789012"))
+    with pytest.raises(ValueError, match="model_key: .*alias/models"):
+        grant_model_read(role, bucket=bucket, key=kms.Alias.from_alias_name(stack, "A", "alias/models"),
+                         model_prefix="models/r/1/")
+
+
+def test_a_model_key_created_in_the_stack_is_accepted():
+    stack = Stack(App(), "OwnKey", env=ENV)
+    bucket, _, topic, repo = _deps(stack)
+    endpoint = DecisionEndpoint(
+        stack, "D", endpoint_name="own-key", image=BuiltImage(repository=repo, digest=DIGEST), model_bucket=bucket,
+        model_key=kms.Key(stack, "Key"), model_prefix="models/m/1/", adapter_environment=ADAPTER.to_environment(),
+        compute=compute(instance_type="ml.c6i.xlarge"), alarm_topic=topic, alarm_thresholds=THRESHOLDS,
+        low_margin_threshold=0.1, log_retention=logs.RetentionDays.ONE_DAY)
+    assert endpoint.model_prefix == "models/m/1/"
+
+
+# ---- routing: a request goes to the instance with the fewest outstanding requests ----
+
+def test_decision_variants_route_to_the_instance_with_the_fewest_outstanding_requests(stacks):
+    """Random routing (SageMaker's default) can fill one adapter's bounded queue, and answer 503, while another
+    instance is idle (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ProductionVariantRoutingConfig.html)."""
+    for name in ("gpu", "cpu"):  # instance pools and one instance type alike
+        assert variant(stacks[name])["RoutingConfig"] == {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}
+
+
+@pytest.mark.parametrize("strategy, expected", [("RANDOM", {"RoutingStrategy": "RANDOM"}), (None, None)])
+def test_the_routing_strategy_can_be_changed_or_left_to_sagemaker(strategy, expected):
+    endpoint = _decision(routing_strategy=strategy)
+    (production_variant,) = Template.from_stack(Stack.of(endpoint)).find_resources(
+        "AWS::SageMaker::EndpointConfig").popitem()[1]["Properties"]["ProductionVariants"]
+    assert production_variant.get("RoutingConfig") == expected
+
+
+def test_an_unknown_routing_strategy_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="routing_strategy: 'ROUND_ROBIN' is not one of"):
+        _decision(routing_strategy="ROUND_ROBIN")
+
+
+# ---- trust: SageMaker may assume the roles only for this account and region ----
+
+def _trust(template: Template, role_prefix: str) -> list[dict]:
+    roles = {k: r for k, r in template.find_resources("AWS::IAM::Role").items() if k.startswith(role_prefix)}
+    assert len(roles) == 1, roles
+    return next(iter(roles.values()))["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+
+
+def test_the_execution_role_trusts_sagemaker_only_for_this_account_and_region(stacks):
+    """Cross-service confused deputy: AWS's template for SageMaker inference, aws:SourceArn like
+    arn:<partition>:sagemaker:<region>:<account>:*
+    (https://docs.aws.amazon.com/sagemaker/latest/dg/security-confused-deputy-prevention.html)."""
+    for name, prefix in (("gpu", "DecisionExecutionRole"), ("chat", "ChatExecutionRole")):
+        assert _trust(stacks[name], prefix) == [{
+            "Action": "sts:AssumeRole", "Effect": "Allow", "Principal": {"Service": "sagemaker.amazonaws.com"},
+            "Condition": {"ArnLike": {"aws:SourceArn": {"Fn::Join": ["", [
+                "arn:", {"Ref": "AWS::Partition"}, ":sagemaker:us-east-1:123456789012:*"]]}}}}]
+
+
+def test_the_batch_transform_role_trusts_sagemaker_only_for_this_account_and_region():
+    from constructs_lib.batch_transform import BatchTransform
+
+    stack = Stack(App(), "Batch", env=ENV)
+    bucket, key, _, repo = _deps(stack)
+    BatchTransform(stack, "Batch", image=BuiltImage(repository=repo, digest=DIGEST), model_bucket=bucket,
+                   model_key=key, model_prefix="models/m/1/", environment=ADAPTER.to_environment())
+    (statement,) = _trust(Template.from_stack(stack), "BatchTransformRole")
+    assert statement["Condition"] == {"ArnLike": {"aws:SourceArn": {"Fn::Join": ["", [
+        "arn:", {"Ref": "AWS::Partition"}, ":sagemaker:us-east-1:123456789012:*"]]}}}
+
+
+# ---- compute: what SageMaker would refuse fails synth ----
+
+def _sagemaker_shape(name: str):
+    import botocore.session
+
+    return botocore.session.get_session().get_service_model("sagemaker").shape_for(name)
+
+
+def test_the_compute_limits_are_those_of_the_sagemaker_api_model_of_the_pinned_boto3():
+    """The constants cite the API; the service model shipped with the pinned boto3 is the machine-readable copy."""
+    from constructs_lib import endpoint_compute as ec
+
+    members = _sagemaker_shape("ProductionVariant").members
+    assert tuple(members["InferenceAmiVersion"].enum) == ec.INFERENCE_AMI_VERSIONS
+    provision = members["VariantInstanceProvisionTimeoutInSeconds"].metadata
+    assert (provision["min"], provision["max"]) == (ec.MIN_PROVISION_TIMEOUT_S, ec.MAX_TIMEOUT_S)
+    download = members["ModelDataDownloadTimeoutInSeconds"].metadata
+    assert (download["min"], download["max"]) == (ec.MIN_MODEL_DOWNLOAD_S, ec.MAX_TIMEOUT_S)
+    startup = members["ContainerStartupHealthCheckTimeoutInSeconds"].metadata
+    # The API's floor is lower; this project's (the llama.cpp DLC's 600 s) sits inside the API's range.
+    assert startup["min"] <= ec.MIN_STARTUP_HEALTH_CHECK_S and startup["max"] == ec.MAX_TIMEOUT_S
+    strategies = _sagemaker_shape("ProductionVariantRoutingConfig").members["RoutingStrategy"].enum
+    from constructs_lib.serving_endpoint import ROUTING_STRATEGIES
+    assert set(ROUTING_STRATEGIES) <= set(strategies)
+
+
+@pytest.mark.parametrize("timeout", [299, 3601])
+def test_a_provision_timeout_sagemaker_would_refuse_fails_naming_the_field(timeout):
+    with pytest.raises(ValueError, match=f"provision_timeout_s must be 300 to 3600, got {timeout}"):
+        compute(instance_pools=[InstancePool(instance_type="ml.g6.xlarge", priority=1)], provision_timeout_s=timeout)
+
+
+def test_provision_timeouts_at_the_limits_pass():
+    for timeout in (300, 3600):
+        pools = [InstancePool(instance_type="ml.g6.xlarge", priority=1)]
+        assert compute(instance_pools=pools, provision_timeout_s=timeout).provision_timeout_s == timeout
+
+
+@pytest.mark.parametrize("ami", ["al2-ami-sagemaker-inference-gpu-4", "AL2023-ami-sagemaker-inference-gpu-4-1", ""])
+def test_an_inference_ami_version_sagemaker_does_not_know_fails_naming_the_field(ami):
+    with pytest.raises(ValueError, match=f"inference_ami_version '{ami}' is not one of"):
+        compute(instance_type="ml.g6.xlarge", inference_ami_version=ami)
+
+
+@pytest.mark.parametrize("cls, args", [
+    (EndpointCompute, (1, 2, 4.0, 600, 600)),
+    (EndpointAlarmThresholds, (5, 20000)),
+])
+def test_the_settings_dataclasses_take_keyword_arguments_only(cls, args):
+    """Positional values would silently land in the wrong field when a field is added or moved."""
+    with pytest.raises(TypeError, match="positional argument"):
+        cls(*args)

@@ -18,7 +18,8 @@ from constructs_lib.image_sources import dlc_image_uri
 
 BASE = dict(min_instances=1, max_instances=2, target_concurrency=4.0, model_download_timeout_s=600,
             startup_health_check_timeout_s=600)
-POOLS = [InstancePool("ml.g6e.xlarge", 1), InstancePool("ml.g6.xlarge", 2)]
+POOLS = [InstancePool(instance_type="ml.g6e.xlarge", priority=1),
+         InstancePool(instance_type="ml.g6.xlarge", priority=2)]
 
 
 def test_pools_and_a_fixed_instance_type_are_mutually_exclusive():
@@ -32,20 +33,21 @@ def test_one_of_instance_type_or_pools_is_required():
 
 
 def test_more_than_five_pools_are_refused():
-    pools = [InstancePool(f"ml.g{n}.xlarge", n) for n in range(1, 7)]
+    pools = [InstancePool(instance_type=f"ml.g{n}.xlarge", priority=n) for n in range(1, 7)]
     with pytest.raises(ValueError, match="1 to 5 pools, got 6"):
         EndpointCompute(instance_pools=pools, **BASE)
 
 
 def test_duplicate_pool_priorities_are_refused():
     with pytest.raises(ValueError, match="priorities must be unique"):
-        EndpointCompute(instance_pools=[InstancePool("ml.g6.xlarge", 1), InstancePool("ml.g5.xlarge", 1)], **BASE)
+        EndpointCompute(instance_pools=[InstancePool(instance_type="ml.g6.xlarge", priority=1),
+                                        InstancePool(instance_type="ml.g5.xlarge", priority=1)], **BASE)
 
 
 @pytest.mark.parametrize("priority", [0, 6])
 def test_pool_priorities_outside_one_to_five_are_refused(priority):
     with pytest.raises(ValueError, match="priorities must be 1 to 5"):
-        EndpointCompute(instance_pools=[InstancePool("ml.g6.xlarge", priority)], **BASE)
+        EndpointCompute(instance_pools=[InstancePool(instance_type="ml.g6.xlarge", priority=priority)], **BASE)
 
 
 def test_provision_timeout_needs_pools():
@@ -216,7 +218,7 @@ _GPU_TYPES = ["ml.g6e.xlarge", "ml.g6.xlarge", "ml.g5.xlarge", "ml.g4dn.xlarge",
 @settings(max_examples=60, deadline=None)
 @given(st.permutations(range(1, 6)), st.integers(min_value=1, max_value=5))
 def test_valid_pools_come_out_in_priority_order_whatever_order_they_go_in(priorities, count):
-    pools = [InstancePool(t, p) for t, p in zip(_GPU_TYPES[:count], priorities[:count])]
+    pools = [InstancePool(instance_type=t, priority=p) for t, p in zip(_GPU_TYPES[:count], priorities[:count])]
     compute = EndpointCompute(instance_pools=pools, provision_timeout_s=600, **BASE)
     ordered = [p.priority for p in compute.pools_by_priority]
     assert ordered == sorted(p.priority for p in pools)
@@ -226,7 +228,7 @@ def test_valid_pools_come_out_in_priority_order_whatever_order_they_go_in(priori
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(min_value=-2, max_value=8), min_size=0, max_size=7))
 def test_any_pool_list_is_either_valid_or_refused_with_a_reason(priorities):
-    pools = [InstancePool(f"ml.g{i + 4}.xlarge", p) for i, p in enumerate(priorities)]
+    pools = [InstancePool(instance_type=f"ml.g{i + 4}.xlarge", priority=p) for i, p in enumerate(priorities)]
     valid = (1 <= len(pools) <= 5 and len(set(priorities)) == len(priorities)
              and all(1 <= p <= 5 for p in priorities))
     if valid:
