@@ -283,6 +283,88 @@ def test_every_request_body_in_the_guides_gets_the_status_the_guide_says(adapter
     assert not problems, "\n".join(problems)
 
 
+# ---------------------------------------------------------------- the answers api.md shows
+
+API_PAGE = DOCS / "reference" / "api.md"
+# What an answer shows that the model decides, whatever ran before it: compared with what the adapter answers.
+# Probabilities to 4 decimals (every number under one of these keys), the rest exactly. Cache hits
+# (`cached_tokens`, `evaluated_tokens`), ids and timings depend on what ran before, so they are not compared.
+PROBABILITY_KEYS = {"probabilities", "probability", "prior", "margin", "confidence", "noul", "label_mass"}
+TOKEN_KEYS = {"tokens", "input_tokens", "output_tokens", "total_tokens", "prompt_tokens", "completion_tokens",
+              "state_tokens"}
+EXACT_KEYS = {"choice", "option_ids", "content", "finish_reason"}
+
+
+def shown_facts(value, path: tuple = ()) -> dict[tuple, object]:
+    """{path: value} of the answer's probabilities (rounded to 4 decimals), choices and token counts."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in shown_facts(item, path + (key,)).items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value) for k, v in shown_facts(item, path + (i,)).items()}
+    keys = {key for key in path if isinstance(key, str)}
+    if keys & PROBABILITY_KEYS:
+        return {path: round(value, 4) if isinstance(value, float) else value}
+    if path and path[-1] in TOKEN_KEYS or keys & EXACT_KEYS:
+        return {path: value}
+    return {}
+
+
+def answers_request(answer: dict, request: dict) -> bool:
+    """Whether ``answer`` is the shape of an answer to ``request`` (same contract; SemIf: same decision id)."""
+    if "option_ids" in answer:
+        return isinstance(request.get("decision"), dict) and request["decision"].get("id") == answer.get("id")
+    if isinstance(answer.get("answers"), dict):  # System One
+        return isinstance(request.get("questions"), dict)
+    if isinstance(answer.get("answers"), list):  # OpenAI Decisions
+        return isinstance(request.get("questions"), list)
+    if answer.get("object") == "chat.completion":
+        return "messages" in request
+    return False
+
+
+def is_answer(value) -> bool:
+    return isinstance(value, dict) and not is_request(value) and (
+        "option_ids" in value or "answers" in value or value.get("object") == "chat.completion")
+
+
+def shown_answers(page: Path = API_PAGE) -> list[dict]:
+    """Each JSON answer the page shows, with the request it answers: the nearest request block before it that
+    it could answer."""
+    pairs, requests = [], []
+    for body, _, line in fenced_blocks(page.read_text(), ("json",)):
+        values = parse_json_block(body)
+        if not values or len(values) != 1:
+            continue
+        (value,) = values
+        if is_request(value):
+            requests.append(value)
+        elif is_answer(value):
+            request = next((r for r in reversed(requests) if answers_request(value, r)), None)
+            pairs.append({"where": f"{page.relative_to(REPO)}:{line}", "answer": value, "request": request})
+    return pairs
+
+
+def test_the_api_reference_shows_an_answer_of_every_contract():
+    pairs = shown_answers()
+    assert all(pair["request"] is not None for pair in pairs), [p["where"] for p in pairs if p["request"] is None]
+    shapes = {("decision" if "decision" in p["request"] else "messages" if "messages" in p["request"] else
+               type(p["request"]["questions"]).__name__) for p in pairs}
+    assert shapes == {"decision", "dict", "list", "messages"}, shapes
+
+
+@pytest.mark.parametrize("pair", shown_answers(), ids=lambda p: p["where"])
+def test_every_answer_the_api_reference_shows_is_the_one_the_adapter_gives(adapter, pair):
+    """Probabilities to 4 decimals, choices and token counts, as the embedded model answers the shown request."""
+    shown = shown_facts(pair["answer"])
+    assert sum(1 for path in shown if set(path) & PROBABILITY_KEYS) >= 1 or "choices" in pair["answer"], shown
+    response = post(adapter, json.dumps(pair["request"]).encode())
+    assert response.status_code == 200, response.text[:500]
+    served = shown_facts(response.json())
+    stale = {"/".join(map(str, path)): (value, served.get(path, "absent")) for path, value in shown.items()
+             if served.get(path, "absent") != value}
+    assert not stale, f"{pair['where']} shows (shown, served): {stale}"
+
+
 # ---------------------------------------------------------------- Python SDK snippets
 
 
@@ -545,37 +627,51 @@ export class SageMakerRuntimeClient {
 """
 
 
-def javascript_snippets() -> list[tuple[str, str]]:
-    return [(f"{page.relative_to(REPO)}:{line}", body) for page in GUIDES
-            for body, _, line in fenced_blocks(page.read_text(), ("javascript", "js", "mjs"))
-            if "@aws-sdk/client-sagemaker-runtime" in body]
+SAVE_AS = re.compile(r"save it as `([^`/]+)`", re.IGNORECASE)
 
 
-def run_javascript(adapter, tmp_path: Path, code: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Run an ES module snippet under Node with the stand-in SDK; (the process, the calls it made)."""
+def javascript_snippets() -> list[tuple[str, str, str | None]]:
+    """(where, code, the file name the guide says to save it as: the last "save it as `NAME`" before it)."""
+    snippets = []
+    for page in GUIDES:
+        text = page.read_text()
+        for body, _, line in fenced_blocks(text, ("javascript", "js", "mjs")):
+            if "@aws-sdk/client-sagemaker-runtime" in body:
+                before = "\n".join(text.splitlines()[: line - 1])
+                names = SAVE_AS.findall(before.rsplit("```", 1)[-1])  # in the prose since the previous block
+                snippets.append((f"{page.relative_to(REPO)}:{line}", body, names[-1] if names else None))
+    return snippets
+
+
+def run_javascript(adapter, tmp_path: Path, code: str, file_name: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run a snippet under Node, saved as the guide says, with the stand-in SDK; (the process, the calls it made).
+    Nothing around the file says it is an ES module, and Node's guess from the syntax (which not every Node
+    the SDK supports makes) is off: the file name alone must make it one, as for a reader on any Node."""
     package = tmp_path / "node_modules" / "@aws-sdk" / "client-sagemaker-runtime"
     package.mkdir(parents=True)
     (package / "package.json").write_text(json.dumps({"name": "@aws-sdk/client-sagemaker-runtime", "type": "module",
                                                       "exports": "./index.js"}))
     (package / "index.js").write_text(JS_SDK_STAND_IN)
-    (tmp_path / "snippet.mjs").write_text(code)
+    (tmp_path / "package.json").write_text("{}")  # a reader's folder: no "type", so .js is CommonJS
+    (tmp_path / file_name).write_text(code)
     calls = tmp_path / "calls.jsonl"
     calls.write_text("")
     node = shutil.which("node")
     assert node, "Node (the CDK CLI's runtime) runs the guides' JavaScript"
-    result = subprocess.run([node, "snippet.mjs"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    result = subprocess.run([node, "--no-experimental-detect-module", file_name], cwd=tmp_path, capture_output=True, text=True, timeout=180,
                             env={**os.environ, "ADAPTER_URL": adapter.base_url, "CALLS_FILE": str(calls)})
     return result, [json.loads(line) for line in calls.read_text().splitlines()]
 
 
 def test_the_guide_shows_a_javascript_sdk_snippet():
-    assert [where for where, _ in javascript_snippets() if where.startswith("docs/how-to/call-an-endpoint.md")]
+    assert [where for where, _, _ in javascript_snippets() if where.startswith("docs/how-to/call-an-endpoint.md")]
 
 
 @pytest.mark.parametrize("snippet", javascript_snippets(), ids=lambda s: s[0])
 def test_every_javascript_snippet_runs_against_a_decision_endpoint_the_stacks_create(adapter, tmp_path, snippet):
-    where, code = snippet
-    result, calls = run_javascript(adapter, tmp_path, code)
+    where, code, file_name = snippet
+    assert file_name, f"{where}: the guide does not say which file to save the snippet as (save it as `NAME`)"
+    result, calls = run_javascript(adapter, tmp_path, code, file_name)
 
     assert result.returncode == 0, (where, result.stderr[-2000:])
     assert calls, f"{where} never called InvokeEndpoint"
@@ -588,10 +684,10 @@ def test_every_javascript_snippet_runs_against_a_decision_endpoint_the_stacks_cr
 
 def test_the_javascript_snippet_reads_a_refusal_as_the_containers_status_and_field(adapter, tmp_path):
     """Its `catch` reads ModelError's OriginalStatusCode and the adapter's JSON error (here: no decision id)."""
-    (where, code), = [s for s in javascript_snippets() if s[0].startswith("docs/how-to/call-an-endpoint.md")]
+    (where, code, file_name), = [s for s in javascript_snippets() if s[0].startswith("docs/how-to/call-an-endpoint.md")]
     refused = code.replace('id: "route",', "", 1)
     assert refused != code, "the snippet's decision has no `id` to take out"
-    result, calls = run_javascript(adapter, tmp_path, refused)
+    result, calls = run_javascript(adapter, tmp_path, refused, file_name or "snippet.mjs")
 
     assert result.returncode == 0, (where, result.stderr[-2000:])
     assert [c["status"] for c in calls] == [422]
@@ -607,7 +703,8 @@ def acting_snippet() -> tuple[str, str]:
 
 
 def stubbed_client(outcomes: list):
-    """A `SemIfClient` on a Stubber'd sagemaker-runtime: each outcome a 200 answer (dict) or a ModelError status."""
+    """A `SemIfClient` on a Stubber'd sagemaker-runtime: each outcome a 200 answer (dict), a ModelError
+    `(container status, its JSON error)`, or SageMaker's own error `("sagemaker", code, HTTP status, message)`."""
     import boto3
     from botocore.response import StreamingBody
     from botocore.stub import Stubber
@@ -622,6 +719,10 @@ def stubbed_client(outcomes: list):
             raw = json.dumps(outcome).encode()
             stubber.add_response("invoke_endpoint", {"Body": StreamingBody(io.BytesIO(raw), len(raw)),
                                                      "ContentType": "application/json"})
+        elif outcome[0] == "sagemaker":
+            _, code, status, message = outcome
+            stubber.add_client_error("invoke_endpoint", service_error_code=code, http_status_code=status,
+                                     service_message=message)
         else:
             status, error = outcome
             stubber.add_client_error("invoke_endpoint", service_error_code="ModelError", http_status_code=424,
@@ -634,7 +735,8 @@ def stubbed_client(outcomes: list):
     return SemIfClient(transport=transport), stubber
 
 
-def test_the_python_example_acts_on_action_fallback_503_and_model_error(adapter, aws_offline, monkeypatch):
+def test_the_python_example_acts_on_action_fallback_503_model_error_and_sagemakers_errors(adapter, aws_offline,
+                                                                                         monkeypatch):
     where, code = acting_snippet()
     sagemaker = AdapterBehindSageMaker(adapter)
     sagemaker.install(monkeypatch)
@@ -647,20 +749,33 @@ def test_the_python_example_acts_on_action_fallback_503_and_model_error(adapter,
     invalid = {"code": "invalid_request", "message": "too long", "field": "decision.state"}
     engine = {"code": "engine_error", "message": "non-finite logits", "field": None}
 
+    # SageMaker's own errors (InvokeEndpoint's error list, and IAM's AccessDeniedException): no ModelError.
+    denied = ("sagemaker", "AccessDeniedException", 400, "User: arn:aws:sts::222222222222:assumed-role/app/i-0 is not "
+              "authorized to perform: sagemaker:InvokeEndpoint on resource: arn:aws:sagemaker:us-east-1:222222222222:"
+              "endpoint/semif-prod-decision because no identity-based policy allows the sagemaker:InvokeEndpoint action")
+    unknown = ("sagemaker", "ValidationError", 400, "Endpoint semif-prod-decison of account 222222222222 not found.")
+    failed = ("sagemaker", "InternalFailure", 500, "An internal failure occurred.")
+
     cases = [
-        ([{**answer, "action": "accept", "fallback": None}], "network"),
+        ([{**answer, "action": "accept"}], "network"),  # `fallback` is only in an abstain answer
         ([{**answer, "action": "abstain", "fallback": "triage"}], "triage"),
         ([(503, overloaded)] * 3, "retry-later"),  # every attempt of the client's backoff refused
-        ([(503, overloaded), {**answer, "action": "accept", "fallback": None}], "network"),  # the backoff's retry
+        ([(503, overloaded), {**answer, "action": "accept"}], "network"),  # the backoff's retry
         ([(500, engine)], "triage"),
+        ([failed], "retry-later"),
     ]
     for outcomes, expected in cases:
         client, stubber = stubbed_client(outcomes)
         assert route(client, ticket) == expected, outcomes
         stubber.assert_no_pending_responses()
     client, _ = stubbed_client([(422, invalid)])
-    with pytest.raises(ValueError, match="decision.state"):
+    with pytest.raises(ValueError, match="fix the request: decision.state"):
         route(client, ticket)
+    for refusal in (denied, unknown):
+        client, _ = stubbed_client([refusal])
+        with pytest.raises(RuntimeError, match=f"fix the app's AWS setup: {refusal[1]}: ") as caught:
+            route(client, ticket)
+        assert not isinstance(caught.value, ValueError), "a SageMaker refusal landed in the fix-the-request branch"
 
 
 # ---------------------------------------------------------------- names in every call form

@@ -13,10 +13,13 @@ from __future__ import annotations
 import email.parser
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -94,16 +97,24 @@ def test_the_serve_extra_is_what_compiles_so_the_check_can_tell():
     assert {"llama-cpp-python", "numpy"} <= not_pure_wheels(closure).keys()
 
 
-BLOCK_SERVING = f"""
+def blocking(modules) -> str:
+    """Python source that makes ``modules`` (top-level import names) unimportable, as on a client install."""
+    return f"""
 import importlib.abc, sys
 
-class BlockServing(importlib.abc.MetaPathFinder):
+class BlockExtras(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {SERVING_MODULES!r}:
+        if name.split(".")[0] in {tuple(modules)!r}:
             raise ImportError(f"{{name}} is not part of the client install")
 
-sys.meta_path.insert(0, BlockServing())
+sys.meta_path.insert(0, BlockExtras())
 """
+
+
+BLOCK_SERVING = blocking(SERVING_MODULES)
+# The `tools` extra's import names too: what a client install (`pip install ./container`) lacks.
+TOOLS_MODULES = ("pydantic", "numpy", "jinja2", "gguf", "rich", "matplotlib")
+BLOCK_EXTRAS = blocking(sorted({*SERVING_MODULES, *TOOLS_MODULES}))
 
 CLIENT_CALL = BLOCK_SERVING + """
 import io, json
@@ -142,11 +153,16 @@ def test_the_client_calls_an_endpoint_with_the_serving_stack_unimportable():
     assert not [m for m in outcome["loaded"] if m.startswith("semif.serving")], outcome["loaded"]
 
 
-def run_serve_entry_point(*arguments: str) -> subprocess.CompletedProcess:
-    """The `serve` console script's target as container/pyproject.toml names it, with the serving stack blocked."""
-    module, function = project()["scripts"]["serve"].split(":")
-    script = BLOCK_SERVING + f"import {module} as entry\nraise SystemExit(entry.{function}({list(arguments)!r}))\n"
+def run_entry_point(command: str, *arguments: str, block: str = BLOCK_SERVING) -> subprocess.CompletedProcess:
+    """A console script's target as container/pyproject.toml names it, called as the script calls it, with the
+    modules ``block`` names unimportable."""
+    module, function = project()["scripts"][command].split(":")
+    script = block + f"import {module} as entry\nraise SystemExit(entry.{function}({list(arguments)!r}))\n"
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def run_serve_entry_point(*arguments: str) -> subprocess.CompletedProcess:
+    return run_entry_point("serve", *arguments)
 
 
 def test_serve_on_a_client_install_names_the_extra_to_install_instead_of_a_traceback():
@@ -172,6 +188,59 @@ def test_the_serve_check_covers_every_distribution_of_the_serve_extra():
     covered = {canonicalize_name(d) for module in CHECKED for d in provided_by.get(module, [])}
     serve_extra = {canonicalize_name(Requirement(r).name) for r in project()["optional-dependencies"]["serve"]}
     assert serve_extra <= covered, sorted(serve_extra - covered)
+
+
+TOOL_SCRIPTS = sorted(name for name in project()["scripts"] if name != "serve")
+
+
+def test_the_package_installs_the_operator_tools_console_scripts():
+    assert {"semif-eval", "semif-gate", "semif-loadcheck", "semif-batch"} <= set(TOOL_SCRIPTS), TOOL_SCRIPTS
+
+
+@pytest.mark.parametrize("command", TOOL_SCRIPTS)
+def test_each_tool_on_a_client_install_names_the_tools_extra_instead_of_a_traceback(command):
+    result = run_entry_point(command, "--help", block=BLOCK_EXTRAS)
+
+    assert result.returncode == 7, (command, result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()  # one line
+    extras = re.search(r"pip install 'semif\[([a-z,]+)\]'", line)
+    assert extras and "tools" in extras.group(1).split(","), line
+    assert line.startswith(f"{command}: "), line
+
+
+def test_with_the_extras_installed_each_tool_script_runs_its_tool():
+    """The check passes the command line through: each script's --help is its tool's own (argparse exits 0)."""
+    names = {command: project()["scripts"][command] for command in TOOL_SCRIPTS}
+    script = f"""
+import contextlib, importlib, io, json
+outcomes = {{}}
+for command, target in {names!r}.items():
+    module, function = target.split(":")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            code = getattr(importlib.import_module(module), function)(["--help"])
+        except SystemExit as exit:
+            code = exit.code
+    outcomes[command] = [code, out.getvalue()[:200]]
+print(json.dumps(outcomes))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    for command, (code, usage) in json.loads(result.stdout.splitlines()[-1]).items():
+        assert code == 0 and usage.startswith("usage:"), (command, code, usage)
+
+
+def test_the_tools_check_covers_every_distribution_of_the_tools_extra():
+    from semif.__main__ import TOOLS_MODULES as CHECKED
+
+    assert set(CHECKED) == set(TOOLS_MODULES)  # what the tests above block is what the check looks for
+    provided_by = importlib.metadata.packages_distributions()
+    covered = {canonicalize_name(d) for module in CHECKED for d in provided_by.get(module, [])}
+    tools_extra = {canonicalize_name(Requirement(r).name) for r in project()["optional-dependencies"]["tools"]}
+    assert tools_extra <= covered, sorted(tools_extra - covered)
 
 
 def test_the_calling_guide_installs_this_client_first_from_a_clone_and_from_git():

@@ -152,6 +152,88 @@ def test_other_sagemaker_client_errors_are_not_retried():
     assert "not found" in caught.value.message
 
 
+@pytest.mark.parametrize("code, status, message", [
+    ("AccessDeniedException", 400, "User: arn:aws:sts::111111111111:assumed-role/app/x is not authorized to perform: "
+                                   "sagemaker:InvokeEndpoint on resource: arn:aws:sagemaker:us-east-1:111111111111:endpoint/semif-test"),
+    ("ValidationError", 400, "Endpoint semif-test of account 111111111111 not found."),
+    ("InternalFailure", 500, "An internal failure occurred."),
+])
+def test_sagemakers_own_errors_are_told_apart_from_the_containers(code, status, message):
+    client, clock = runtime_client(), FakeClock()
+    with Stubber(client) as stubber:
+        stubber.add_client_error("invoke_endpoint", service_error_code=code, service_message=message, http_status_code=status)
+        add_model_error(stubber, status if status != 400 else 422, INVALID)
+        transport = make_transport(client, clock)
+        semif = SemIfClient(transport=transport)
+        with pytest.raises(SemIfError) as by_sagemaker:
+            semif.decide("s", "q", ["a", "b"])
+        with pytest.raises(SemIfError) as by_container:
+            semif.decide("s", "q", ["a", "b"])
+        stubber.assert_no_pending_responses()
+    refused = by_sagemaker.value
+    assert (refused.source, refused.status, refused.code, refused.field) == ("sagemaker", status, code, None)
+    assert refused.message == message and not refused.retryable and clock.sleeps == []
+    assert by_container.value.source == "container" and by_container.value.code == "invalid_request"
+
+
+def test_throttling_that_outlasts_the_retries_is_sagemakers_and_retryable():
+    client, clock = runtime_client(), FakeClock()
+    with Stubber(client) as stubber:
+        for _ in range(2):
+            stubber.add_client_error("invoke_endpoint", service_error_code="ThrottlingException",
+                                     service_message="Rate exceeded", http_status_code=400)
+        with pytest.raises(SemIfError) as caught:
+            SemIfClient(transport=make_transport(client, clock, max_attempts=2)).decide("s", "q", ["a", "b"])
+    assert (caught.value.source, caught.value.status, caught.value.retryable) == ("sagemaker", 429, True)
+
+
+def test_an_http_adapters_errors_come_from_the_container():
+    def answer(request):
+        return httpx.Response(422, json=INVALID)
+
+    with SemIfClient("http://adapter", transport=httpx.MockTransport(answer)) as semif:
+        with pytest.raises(SemIfError) as caught:
+            semif.decide("s", "q", ["a", "b"])
+    assert (caught.value.source, caught.value.field) == ("container", "decision.options")
+
+
+@pytest.fixture
+def no_aws_configuration(monkeypatch, tmp_path):
+    """No credentials and no region from anywhere: environment, files, instance metadata."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                 "AWS_SECURITY_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                 "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_no_region_raises_aws_setup_error_naming_region_name(no_aws_configuration):
+    from botocore.exceptions import NoRegionError
+
+    from semif.tools.client import AwsSetupError
+
+    with pytest.raises(AwsSetupError, match="region_name=") as caught:
+        SemIfClient.for_endpoint(ENDPOINT)
+    assert isinstance(caught.value.__cause__, NoRegionError)
+
+
+def test_no_credentials_raise_aws_setup_error_at_the_first_call_and_are_not_retried(no_aws_configuration):
+    from botocore.exceptions import NoCredentialsError
+
+    from semif.tools.client import AwsSetupError
+
+    clock = FakeClock()
+    transport = SageMakerTransport(ENDPOINT, region_name="us-east-1", sleep=clock.sleep, clock=clock)
+    with SemIfClient(transport=transport) as semif:
+        with pytest.raises(AwsSetupError, match="credentials") as caught:
+            semif.decide("s", "q", ["a", "b"])
+    assert isinstance(caught.value.__cause__, NoCredentialsError)
+    assert ENDPOINT in str(caught.value)
+    assert transport.stats.as_dict()["attempts"] == 1 and clock.sleeps == []
+
+
 def test_max_attempts_stops_retrying_and_returns_the_last_503():
     client, clock = runtime_client(), FakeClock()
     with Stubber(client) as stubber:
@@ -220,6 +302,7 @@ def test_get_requests_are_refused_because_sagemaker_forwards_only_post():
         response = http.get("/v1/models")
     assert response.status_code == 405
     assert response.json()["error"]["code"] == "method_not_allowed"
+    assert response.headers["x-semif-error-source"] == "transport"
 
 
 def test_custom_attributes_header_is_passed_to_invoke_endpoint():

@@ -1,21 +1,32 @@
-"""`python -m semif` starts the adapter, like the `serve` console script.
+"""`python -m semif` starts the adapter, like the `serve` console script; the operator tools' console scripts
+(`semif-eval`, `semif-gate`, …) start here too.
 
-The adapter's dependencies are the `serve` extra; the base install is the client alone. Without them, `serve`
-says which install brings them (exit 7) instead of failing on an import."""
+The base install is the client alone. The adapter's dependencies are the `serve` extra, the operator tools'
+the `tools` extra. Without them, each command says which install brings them (exit 7) instead of failing on an
+import: `command_needing(...)` checks the extra's import names before the command's module is imported."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
+from typing import Callable, Optional, Sequence
 
-# The import names of the `serve` extra's distributions (container/pyproject.toml).
-SERVING_MODULES = ("llama_cpp", "starlette", "uvicorn", "pydantic", "numpy", "jinja2")
-EXIT_MISSING_SERVING_DEPENDENCIES = 7
+# The import names of each extra's distributions (container/pyproject.toml [project.optional-dependencies]).
+EXTRA_MODULES = {
+    "serve": ("llama_cpp", "starlette", "uvicorn", "pydantic", "numpy", "jinja2"),
+    "tools": ("pydantic", "numpy", "jinja2", "gguf", "rich", "matplotlib"),
+}
+EXTRA_OWNERS = {"serve": "the adapter's", "tools": "the operator tools'"}
+SERVING_MODULES = EXTRA_MODULES["serve"]
+TOOLS_MODULES = EXTRA_MODULES["tools"]
+EXIT_MISSING_DEPENDENCIES = 7
+EXIT_MISSING_SERVING_DEPENDENCIES = EXIT_MISSING_DEPENDENCIES
 
 
-def missing_serving_modules() -> list[str]:
+def missing_modules(names: Sequence[str]) -> list[str]:
     missing = []
-    for name in SERVING_MODULES:
+    for name in names:
         try:
             found = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):
@@ -25,16 +36,41 @@ def missing_serving_modules() -> list[str]:
     return missing
 
 
-def main(argv: list[str] | None = None) -> int:
-    missing = missing_serving_modules()
-    if missing:
-        print(f"serve: the adapter's dependencies are not installed ({', '.join(missing)}). This is the client "
-              "install; for the adapter run: pip install 'semif[serve]' (from a clone: pip install './container[serve]')",
-              file=sys.stderr)
-        return EXIT_MISSING_SERVING_DEPENDENCIES
-    from .serving.serve import main as serve
+def missing_serving_modules() -> list[str]:
+    return missing_modules(SERVING_MODULES)
 
-    return serve(argv)
+
+def command_needing(command: str, target: str, extras: Sequence[str] = ("tools",)) -> Callable[..., int]:
+    """The entry point of ``command``: runs ``target`` (``module:function``) once every module of ``extras`` is
+    importable, else prints the one install that brings them and returns 7."""
+
+    def main(argv: Optional[list[str]] = None) -> int:
+        missing = missing_modules(sorted({name for extra in extras for name in EXTRA_MODULES[extra]}))
+        if missing:
+            spec = ",".join(extras)
+            owners = " and ".join(EXTRA_OWNERS[extra] for extra in extras)
+            print(f"{command}: {owners} dependencies are not installed ({', '.join(missing)}). This is the client "
+                  f"install; for {command} run: pip install 'semif[{spec}]' (from a clone: pip install './container[{spec}]')",
+                  file=sys.stderr)
+            return EXIT_MISSING_DEPENDENCIES
+        module, function = target.split(":")
+        return getattr(importlib.import_module(module), function)(argv)
+
+    main.__name__ = main.__qualname__ = command.replace("-", "_")
+    main.__doc__ = f"`{command}`: {target}, once the {' and '.join(extras)} extra is installed."
+    return main
+
+
+# The console scripts of container/pyproject.toml [project.scripts].
+main = command_needing("serve", "semif.serving.serve:main", ("serve",))
+package_model = command_needing("semif-package-model", "semif.tools.package_model:main")
+evaluate = command_needing("semif-eval", "semif.tools.evaluate:main")
+calibrate = command_needing("semif-calibrate", "semif.tools.calibrate:main")
+batch = command_needing("semif-batch", "semif.tools.batch:main")  # its in-process local run also needs `serve`
+gate = command_needing("semif-gate", "semif.tools.gate:main")
+loadcheck = command_needing("semif-loadcheck", "semif.tools.loadcheck:main")
+# It loads the GGUF with llama-cpp-python itself.
+recompute = command_needing("semif-recompute", "semif.tools.recompute:main", ("serve", "tools"))
 
 
 if __name__ == "__main__":

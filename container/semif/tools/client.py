@@ -8,6 +8,9 @@
 
 For System One or OpenAI Decisions use the official SDKs with `semif.tools.sagemaker_transport`.
 
+A refusal raises `SemIfError` (``source`` says whether the container or SageMaker refused); a call that cannot
+be made (no AWS credentials, no region) raises `AwsSetupError`, at `for_endpoint` or at the first call.
+
 This module and the transport need the package's base install alone (boto3, httpx: `pip install ./container`);
 they import nothing of `semif.serving` (tests/test_light_client.py).
 """
@@ -18,25 +21,40 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import httpx
 
-from .sagemaker_transport import ATTEMPTS_HEADER, RetryingTransport, RetryPolicy, RetryStats, SageMakerTransport
+from .sagemaker_transport import (
+    ATTEMPTS_HEADER,
+    ERROR_SOURCE_HEADER,
+    AwsSetupError,
+    RetryingTransport,
+    RetryPolicy,
+    RetryStats,
+    SageMakerTransport,
+)
+
+__all__ = ["AwsSetupError", "SemIfClient", "SemIfError", "SemIfResult", "normalize_options"]
 
 Options = Union[Sequence[str], Sequence[Mapping[str, Any]], Mapping[str, Optional[str]]]
 
 
 class SemIfError(Exception):
-    """The adapter refused the request (4xx), or kept refusing it (503 after every retry). Carries the
-    adapter's JSON error: ``status``, ``code``, ``message``, ``field`` and the whole ``body``."""
+    """The request was refused, or kept being refused (503 or 429 after every retry). ``source`` says who
+    refused: ``"container"`` (the adapter's JSON error: ``status``, ``code``, ``message``, ``field``),
+    ``"sagemaker"`` (SageMaker's own error before or around the container, e.g. ``AccessDeniedException``, a
+    ``ValidationError`` for an unknown endpoint, ``InternalFailure``: ``code`` is SageMaker's, ``field`` is
+    None) or ``"transport"`` (the SageMaker transport refused to send it). ``body`` is the whole JSON error."""
 
-    def __init__(self, status: int, body: Any, attempts: int = 1):
+    def __init__(self, status: int, body: Any, attempts: int = 1, source: str = "container"):
         error = body.get("error", {}) if isinstance(body, dict) else {}
         error = error if isinstance(error, dict) else {"message": str(error)}
         self.status = status
         self.body = body
+        self.source = source
         self.code = error.get("code")
         self.message = error.get("message") or (body if isinstance(body, str) else "")
         self.field = error.get("field")
         self.attempts = attempts
-        super().__init__(f"HTTP {status} {self.code}: {self.message}" + (f" (field {self.field})" if self.field else ""))
+        super().__init__(f"HTTP {status} {self.code} from the {source}: {self.message}"
+                         + (f" (field {self.field})" if self.field else ""))
 
     @property
     def retryable(self) -> bool:
@@ -94,7 +112,8 @@ class SemIfClient:
         except ValueError:
             payload = response.text
         if response.status_code != 200:
-            raise SemIfError(response.status_code, payload, attempts)
+            # Over HTTP every error is the adapter's; the SageMaker transport names its source.
+            raise SemIfError(response.status_code, payload, attempts, response.headers.get(ERROR_SOURCE_HEADER, "container"))
         result = SemIfResult(payload)
         result.attempts = attempts
         return result

@@ -15,6 +15,11 @@ self-hosted adapter. Both retry: HTTP 503 and 429 from the adapter, SageMaker's 
 full jitter, honouring `Retry-After`, within a max-attempts and max-elapsed budget. 4xx are not retried:
 the adapter's JSON error comes back as the response, with its status, so each SDK raises its own error.
 Every attempt is counted (`RetryStats`), and each response says how many it took (`x-semif-attempts`).
+
+An error response says who refused (`x-semif-error-source`): `container` (the adapter's own JSON error, behind
+SageMaker's `ModelError`), `sagemaker` (SageMaker refused or failed the call: IAM, an unknown endpoint,
+throttling, its own failures) or `transport` (this transport refused to send it). A call that cannot be
+made at all (no AWS credentials, no region) raises `AwsSetupError`, never retried.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ except ImportError:  # pragma: no cover - exercised only without the SDKs instal
     httpx2 = None
 
 ATTEMPTS_HEADER = "x-semif-attempts"
+ERROR_SOURCE_HEADER = "x-semif-error-source"
 CUSTOM_ATTRIBUTES_HEADER = "x-amzn-sagemaker-custom-attributes"
 THROTTLING_CODES = {"ThrottlingException", "Throttling", "TooManyRequestsException", "RequestLimitExceeded"}
 UNAVAILABLE_CODES = {"ServiceUnavailable", "ServiceUnavailableException"}
@@ -75,6 +81,26 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+class AwsSetupError(RuntimeError):
+    """The call to SageMaker could not be made: no AWS credentials, no region, an unknown profile, or another
+    botocore error raised before a request left (the botocore exception is ``__cause__``). Retrying cannot
+    help, so it is never retried: fix the app's AWS configuration."""
+
+
+def _aws_setup_error(exc: BaseException, endpoint_name: Optional[str] = None) -> AwsSetupError:
+    from botocore.exceptions import NoCredentialsError, NoRegionError, PartialCredentialsError
+
+    where = f"SageMaker endpoint {endpoint_name!r}" if endpoint_name else "SageMaker"
+    if isinstance(exc, NoRegionError):
+        hint = "pass region_name= (the endpoint's region) or set AWS_DEFAULT_REGION"
+    elif isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+        hint = ("give the app AWS credentials: its role (instance profile, task or function role), a profile "
+                "(AWS_PROFILE), or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    else:
+        hint = "check the app's AWS configuration"
+    return AwsSetupError(f"cannot call {where}: {type(exc).__name__}: {exc}; {hint}")
 
 
 class RetryStats:
@@ -190,9 +216,10 @@ def _flavour(request) -> Any:
     return httpx
 
 
-def _json_error(lib, status: int, code: str, message: str, request) -> Any:
+def _json_error(lib, status: int, code: str, message: str, request, source: str) -> Any:
     body = json.dumps({"error": {"code": code, "message": message, "field": None}}).encode()
-    return lib.Response(status, headers={"content-type": "application/json"}, content=body, request=request)
+    return lib.Response(status, headers={"content-type": "application/json", ERROR_SOURCE_HEADER: source},
+                        content=body, request=request)
 
 
 def _decoded_body(request) -> bytes:
@@ -251,9 +278,14 @@ def sagemaker_runtime_client(region_name: Optional[str] = None, *, session=None,
     import boto3
     from botocore.config import Config
 
+    from botocore.exceptions import BotoCoreError
+
     config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, read_timeout=read_timeout_s,
                     connect_timeout=5, tcp_keepalive=True)
-    return (session or boto3.Session()).client("sagemaker-runtime", region_name=region_name, config=config)
+    try:
+        return (session or boto3.Session()).client("sagemaker-runtime", region_name=region_name, config=config)
+    except BotoCoreError as exc:  # NoRegionError, ProfileNotFound, InvalidRegionError
+        raise _aws_setup_error(exc) from exc
 
 
 class SageMakerTransport(*_BASES):
@@ -285,11 +317,12 @@ class SageMakerTransport(*_BASES):
         lib = _flavour(request)
         if request.method.upper() != "POST":
             return _json_error(lib, 405, "method_not_allowed",
-                               f"{request.method} {request.url.path}: a SageMaker endpoint takes only POST (invoke_endpoint)", request)
+                               f"{request.method} {request.url.path}: a SageMaker endpoint takes only POST (invoke_endpoint)",
+                               request, "transport")
         try:
             body = _decoded_body(request)
         except ValueError as exc:
-            return _json_error(lib, 400, "unsupported_content_encoding", str(exc), request)
+            return _json_error(lib, 400, "unsupported_content_encoding", str(exc), request, "transport")
         params: dict[str, Any] = {
             "EndpointName": self.endpoint_name,
             "Body": body,
@@ -306,7 +339,8 @@ class SageMakerTransport(*_BASES):
         return self._loop.run(lambda: self._attempt(lib, request, params))
 
     def _attempt(self, lib, request, params: dict) -> _Attempt:
-        from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError, ConnectTimeoutError, ReadTimeoutError
+        from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError,
+                                         ConnectTimeoutError, HTTPClientError, ReadTimeoutError)
 
         try:
             answer = self.client.invoke_endpoint(**params)
@@ -319,6 +353,13 @@ class SageMakerTransport(*_BASES):
             error = lib.ConnectError(f"cannot reach SageMaker: {exc}", request=request)
             reason = "connection_error" if self.retry.retry_connection_errors else None
             return _Attempt(error=error, retry_reason=reason)
+        except HTTPClientError as exc:
+            # The connection broke after the request left (ConnectionClosedError): it may have been computed.
+            return _Attempt(error=lib.ReadError(f"invoke_endpoint failed mid-call: {exc}", request=request))
+        except BotoCoreError as exc:  # before anything was sent: NoCredentialsError, PartialCredentialsError, …
+            error = _aws_setup_error(exc, self.endpoint_name)
+            error.__cause__ = exc
+            return _Attempt(error=error)
         headers = {"content-type": answer.get("ContentType") or "application/json"}
         if answer.get("InvokedProductionVariant"):
             headers["x-amzn-invoked-production-variant"] = answer["InvokedProductionVariant"]
@@ -340,16 +381,21 @@ class SageMakerTransport(*_BASES):
             original = exc.response.get("OriginalMessage") or ""
             try:
                 json.loads(original)
-                response = lib.Response(status, headers={"content-type": "application/json"}, content=original.encode(), request=request)
+                response = lib.Response(status, headers={"content-type": "application/json", ERROR_SOURCE_HEADER: "container"},
+                                        content=original.encode(), request=request)
             except ValueError:
-                response = _json_error(lib, status, "model_error", original or message, request)
+                response = _json_error(lib, status, "model_error", original or message, request, "container")
             retryable = status in self.retry.retry_statuses
             return _Attempt(response=response, retry_reason=f"model_error_{status}" if retryable else None)
+        # SageMaker's own errors, before or around the container (InvokeEndpoint's ValidationError 400, e.g. an
+        # unknown endpoint; AccessDeniedException; InternalFailure 500; ServiceUnavailable 503;
+        # ModelNotReadyException 429: https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_runtime_InvokeEndpoint.html#API_runtime_InvokeEndpoint_Errors).
         if code in THROTTLING_CODES or http_status == 429:
-            return _Attempt(response=_json_error(lib, 429, "throttled", message, request), retry_reason="throttled")
+            return _Attempt(response=_json_error(lib, 429, "throttled", message, request, "sagemaker"), retry_reason="throttled")
         if code in UNAVAILABLE_CODES or http_status == 503:
-            return _Attempt(response=_json_error(lib, 503, "service_unavailable", message, request), retry_reason="service_unavailable")
-        return _Attempt(response=_json_error(lib, int(http_status), code or "sagemaker_error", message, request))
+            return _Attempt(response=_json_error(lib, 503, "service_unavailable", message, request, "sagemaker"),
+                            retry_reason="service_unavailable")
+        return _Attempt(response=_json_error(lib, int(http_status), code or "sagemaker_error", message, request, "sagemaker"))
 
 
 class RetryingTransport(*_BASES):
