@@ -255,3 +255,16 @@ def test_the_calling_guide_installs_this_client_first_from_a_clone_and_from_git(
     from_git = Requirement(installs[1][0])
     assert from_git.name == project()["name"] and not from_git.extras, from_git
     assert from_git.url.startswith("git+https://github.com/") and from_git.url.endswith("#subdirectory=container")
+
+
+def test_the_deploy_environment_holds_every_requirement_of_the_tools_extra():
+    """`make deploy-setup` installs the package with --no-deps and the pins of requirements-deploy.txt; the model
+    upload (semif-package-model) checks every module of the tools extra before it runs, so each must be pinned."""
+    deploy = {canonicalize_name(Requirement(line).name): str(Requirement(line).specifier)
+              for line in (REPO / "requirements-deploy.txt").read_text().splitlines()
+              if line.strip() and not line.startswith(("#", "-r"))}
+    for raw in project()["optional-dependencies"]["tools"]:
+        requirement = Requirement(raw)
+        name = canonicalize_name(requirement.name)
+        assert name in deploy, f"requirements-deploy.txt lacks {requirement.name} (the tools extra)"
+        assert deploy[name] == str(requirement.specifier), f"{requirement.name}: {deploy[name]} here, {requirement.specifier} in the extra"
