@@ -265,6 +265,30 @@ def test_under_the_default_a_request_over_budget_with_its_prior_is_refused_namin
     assert over.value.field == "debias" and "debias 'none'" in str(over.value)
 
 
+def test_with_a_second_look_the_field_named_is_what_pushed_the_request_over_the_budget(fresh):
+    from semif.serving.engine.plan import SecondLook
+
+    engine = fresh
+    look = SecondLook(below_margin=1.0, max_tokens=16)
+    plain = engine.plan(STATES[0], [ROUTE], debias="none").worst_case_tokens
+    looked = engine.plan(STATES[0], [ROUTE], debias="none", second_look=look).worst_case_tokens
+    calibrated = engine.plan(STATES[0], [ROUTE], debias="content_free").worst_case_tokens
+    both = engine.plan(STATES[0], [ROUTE], debias="content_free", second_look=look).worst_case_tokens
+    assert plain < looked < both and plain < calibrated < both
+    refusals = [
+        (dict(debias="content_free"), calibrated - 1, "debias"),  # the calibration does not fit: debias, look or not
+        (dict(default_debias="content_free"), calibrated - 1, "decisions"),  # the server's default: the questions
+        (dict(debias="content_free"), both - 1, "second_look"),  # the calibration fits, the look does not
+        (dict(debias="none"), plain - 1, "decisions"),  # the decision itself does not fit
+    ]
+    for asked, budget, field in refusals:
+        with pytest.raises(TokenBudgetExceeded) as over:
+            engine.plan(STATES[0], [ROUTE], second_look=look, max_request_tokens=budget, budget_field="decisions",
+                        **asked)
+        assert over.value.field == field, (asked, budget)
+    engine.plan(STATES[0], [ROUTE], debias="content_free", second_look=look, max_request_tokens=both)
+
+
 def test_admission_never_depends_on_held_priors_but_a_held_prior_is_not_evaluated_again(fresh):
     """The budget is a function of the request alone: the same request is admitted or refused whatever the cache
     holds; a prior the cache holds still costs no model call."""

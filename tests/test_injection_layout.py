@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from semif.serving.engine.plan import PlanError, build_plan
+from semif.serving.engine.plan import PlanError, TokenBudgetExceeded, build_plan
 from semif.serving.engine.prompt import (
     DATA_RULE, INJECTION_CHECK_QUESTION, SYSTEM_TEXT_V3, LabelSet, Labels, Outcome, PromptTemplate, Question,
     TEMPLATE_VERSION, TEMPLATE_VERSION_V2, TEMPLATE_VERSION_V3,
@@ -43,12 +43,12 @@ def _bytes(text, *, special, add_bos=False):
     return ([1] if add_bos else []) + list(text.encode("utf-8"))
 
 
-def _plan(questions, state=TICKETS[0], variant=None, **kwargs):
+def _plan(questions, state=TICKETS[0], variant=None, tokenize=_bytes, **kwargs):
     """A plan with the served template, or with ``variant``'s."""
-    letters = LabelSet(tuple("ABCD"), (65, 66, 67, 68))
+    letters = LabelSet(tuple("ABCDEFGHIJKLMNOP"), tuple(range(65, 81)))
     labels = Labels(letters=letters, binary=LabelSet(("Yes", "No"), (89, 78)), scale=letters)
     template = PromptTemplate(CHATML) if variant is None else PromptTemplate(CHATML, variant=variant)
-    return build_plan(template=template, labels=labels, tokenize=_bytes, eos_token=2, bos_token=1,
+    return build_plan(template=template, labels=labels, tokenize=tokenize, eos_token=2, bos_token=1,
                       adds_bos=True, n_ctx=8192, n_batch=64, state_text=state, questions=questions,
                       scoring="label", **kwargs)
 
@@ -128,9 +128,11 @@ def test_the_injection_check_is_one_more_label_question_counted_in_the_token_bud
     check = checked.injection_check
     assert plain.injection_check is None and check.labels == ("Yes", "No") and check.label_token_ids == (89, 78)
     assert INJECTION_CHECK_QUESTION in check.text
-    # State-first: the check has its own prefix (questions, then the state again), counted in the budget.
-    assert check.own_prefix_tokens > 0
-    assert checked.worst_case_tokens == plain.worst_case_tokens + len(check.suffix_tokens) + check.own_prefix_tokens
+    # State-first: the check has its own prefix (questions, then the state again), counted in the budget, less
+    # the template head it shares with the request's prefix (evaluated once per request).
+    assert check.own_prefix_tokens > 0 and check.own_prefix_held == len(checked.prefix_segments[0])
+    assert checked.worst_case_tokens == (plain.worst_case_tokens + len(check.suffix_tokens) + check.own_prefix_tokens
+                                         - check.own_prefix_held)
     assert checked.input_tokens == plain.input_tokens + len(check.suffix_tokens) + check.own_prefix_tokens
     routed, routed_checked = _plan([ROUTING], layout="options_first"), _plan([ROUTING], layout="options_first", injection_check=True)
     assert routed_checked.injection_check.own_prefix_segments is None  # the state already follows the options
@@ -157,7 +159,56 @@ def test_the_state_first_check_reads_the_state_after_the_questions_as_the_option
     assert second.own_prefix_segments == _plan([yes_no], injection_check=True).injection_check.own_prefix_segments
     assert "Is this urgent?" not in first.own_prefix_pieces[1].text and "Which team" not in second.own_prefix_pieces[1].text
     assert several.worst_case_tokens == _plan([ROUTING, yes_no, ROUTING]).worst_case_tokens + sum(
-        len(c.suffix_tokens) + c.own_prefix_tokens for c in (first, second))
+        len(c.suffix_tokens) + c.own_prefix_tokens - c.own_prefix_held for c in (first, second))
+
+
+LONG_STATE = " ".join(f"Line {k}: the VPN dropped again at {k} past nine." for k in range(60))
+
+
+def _counting_tokenizer():
+    """The byte tokenizer, and how many of its calls tokenized LONG_STATE (the expensive ones)."""
+    passes = []
+
+    def tokenize(text, *, special, add_bos=False):
+        passes.append(LONG_STATE in text)
+        return _bytes(text, special=special, add_bos=add_bos)
+
+    return tokenize, lambda: sum(passes)
+
+
+def test_a_requests_injection_checks_tokenize_the_state_once_not_once_per_question():
+    # Twenty distinct questions with the same options: each has its own check (its own question before the
+    # state), and every check's state follows the same reply line, so its tokens are the same.
+    questions = [Question(f"Which team should take ticket {i}?", ROUTING.outcomes) for i in range(20)]
+    tokenize, state_passes = _counting_tokenizer()
+    plan = _plan(questions, state=LONG_STATE, tokenize=tokenize, injection_check=True)
+    assert len({id(c) for c in plan.injection_checks}) == 20
+    assert state_passes() == 2  # the request's own prefix, and one for every check
+    # The same tokens as a check planned on its own, in a request of one question.
+    alone = _plan([questions[7]], state=LONG_STATE, injection_check=True).injection_check
+    assert plan.injection_checks[7].own_prefix_segments == alone.own_prefix_segments
+
+
+def test_checks_that_push_a_request_over_the_budget_are_refused_naming_the_check_before_they_are_all_planned():
+    # Option sets of different sizes: every check ends in its own reply line, so each tokenizes the state.
+    questions = [Question(f"Question {i}?", tuple(Outcome(f"o{j}") for j in range(2 + i))) for i in range(12)]
+    budget = _plan(questions, state=LONG_STATE).worst_case_tokens + 50  # fits without the checks
+    _plan(questions, state=LONG_STATE, max_request_tokens=budget, budget_field="decisions")
+    tokenize, state_passes = _counting_tokenizer()
+    with pytest.raises(TokenBudgetExceeded) as over:
+        _plan(questions, state=LONG_STATE, tokenize=tokenize, injection_check=True, max_request_tokens=budget,
+              budget_field="decisions")
+    assert over.value.field == "injection_check" and "injection check" in str(over.value)
+    assert state_passes() == 2  # the request's prefix and the first check's: refused there
+    with pytest.raises(TokenBudgetExceeded) as over:
+        _plan(questions, state=LONG_STATE, injection_check=True, max_request_tokens=budget,
+              injection_check_field="policy.max_injection")
+    assert over.value.field == "policy.max_injection"
+    # Over the budget without its checks: the questions are what does not fit, whatever else was asked.
+    with pytest.raises(TokenBudgetExceeded) as over:
+        _plan(questions, state=LONG_STATE, injection_check=True, max_request_tokens=budget - 100,
+              budget_field="decisions")
+    assert over.value.field == "decisions"
 
 
 def test_each_template_variant_has_its_own_version_and_hash():
@@ -324,6 +375,54 @@ def test_a_decisions_injection_check_is_the_same_alone_and_among_other_questions
     assert cold.distributions[0].injection_suspected == pytest.approx(values[URGENT.text], abs=1e-6)
 
 
+def test_a_cold_request_with_checks_evaluates_exactly_what_its_budget_counts(engine):
+    questions = [ROUTING, URGENT, TONE, ROUTING]
+    for layout, asked in (("state_first", questions), ("options_first", [ROUTING])):
+        start_cold(engine)
+        plan = engine.plan(INJECTED, asked, layout=layout, injection_check=True, debias="none")
+        result = engine.execute(plan)
+        assert result.evaluated_tokens == plan.worst_case_tokens, layout
+
+
+@pytest.fixture(scope="module")
+def injection_budget(engine, model_path):
+    """A client whose token budget holds the routing decision with URGENT and TONE but not their checks."""
+    from starlette.testclient import TestClient
+
+    from semif.serving.http.app import create_app
+    from serving import make_settings
+
+    # As SemIf asks them (a yes/no decision is a choice there) and as OpenAI Decisions does (a predicate).
+    asked = ([ROUTING, Question(URGENT.text, URGENT.outcomes), TONE], [ROUTING, URGENT, TONE])
+    budget = max(engine.plan(INJECTED, questions, debias="none").worst_case_tokens for questions in asked) + 20
+    for questions in asked:
+        assert engine.plan(INJECTED, questions, debias="none", injection_check=True).worst_case_tokens > budget
+    with TestClient(create_app(make_settings(model_path, max_request_tokens=budget), engine),
+                    raise_server_exceptions=False) as http:
+        yield http
+
+
+def test_a_request_its_injection_checks_push_over_the_budget_gets_a_413_naming_what_asked_for_them(injection_budget):
+    decisions = [QUESTION_ONLY,
+                 {"id": "urgent", "question": URGENT.text, "options": [{"id": "yes"}, {"id": "no"}]},
+                 {"id": "tone", "question": TONE.text, "options": [{"id": o.key} for o in TONE.outcomes]}]
+    body = {"state": INJECTED, "decisions": decisions, "debias": "none"}
+    assert injection_budget.post("/v1/semif", json=body).status_code == 200
+    for extra, field in (({"injection_check": True}, "injection_check"),
+                         ({"policy": {"max_injection": 0.5}}, "policy.max_injection")):
+        refused = injection_budget.post("/v1/semif", json={**body, **extra})
+        assert refused.status_code == 413, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["field"]) == ("token_budget_exceeded", field)
+    openai = injection_budget.post("/v1/decisions", json={
+        "model": "gpt-6-luna", "input": INJECTED, "debias": "none", "injection_check": True, "questions": [
+            {"type": "choice", "instructions": ROUTING.text, "choices": [{"value": o.key, "description": o.description}
+                                                                         for o in ROUTING.outcomes]},
+            {"type": "predicate", "instructions": URGENT.text},
+            {"type": "choice", "instructions": TONE.text, "choices": [{"value": o.key} for o in TONE.outcomes]}]})
+    assert openai.status_code == 413 and openai.json()["error"]["param"] == "injection_check", openai.text
+
+
 def test_the_injection_check_equals_p_yes_of_its_prompt_evaluated_from_scratch(engine, model_path):
     """A fresh llama.cpp context with the engine's settings decodes the check's segments as the engine does."""
     from semif.serving.engine.context import recompute_segments
@@ -436,6 +535,45 @@ def test_system_one_and_openai_requests_carry_layout_and_injection_suspected(cli
     many = client.post("/invocations", json={"state": "x", "layout": "options_first", "questions": {
         "a": {"type": "noul", "instructions": "Is it urgent?"}, "b": {"type": "noul", "instructions": "Is it polite?"}}})
     assert many.status_code == 422 and "layout" in many.text, many.text
+
+
+def test_system_one_and_openai_answers_each_carry_their_own_check_and_the_request_its_highest(client):
+    team = {"type": "choice", "instructions": ROUTING.text,
+            "criteria": {o.key: o.description for o in ROUTING.outcomes}}
+    urgent = {"type": "noul", "instructions": URGENT.text}
+
+    def system_one(questions):
+        response = client.post("/v1/systemone", json={"state": INJECTED, "injection_check": True, "debias": "none",
+                                                       "questions": questions})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    alone = {qid: system_one({qid: q})["answers"][qid]["x_injection_suspected"]
+             for qid, q in (("team", team), ("urgent", urgent))}
+    assert abs(alone["team"] - alone["urgent"]) > 1e-4  # two different checks
+    for order in (("team", "urgent"), ("urgent", "team")):
+        both = system_one({qid: {"team": team, "urgent": urgent}[qid] for qid in order})
+        for qid in order:
+            assert both["answers"][qid]["x_injection_suspected"] == pytest.approx(alone[qid], abs=1e-6), (order, qid)
+        assert both["x_semif"]["injection_suspected"] == max(alone.values())
+
+    choice = {"type": "choice", "name": "team", "instructions": ROUTING.text,
+              "choices": [{"value": o.key, "description": o.description} for o in ROUTING.outcomes]}
+    predicate = {"type": "predicate", "name": "urgent", "instructions": URGENT.text}
+
+    def openai(questions):
+        response = client.post("/v1/decisions", json={"model": "gpt-6-luna", "input": INJECTED, "injection_check": True,
+                                                       "debias": "none", "questions": questions})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    for questions in ([choice, predicate], [predicate, choice]):
+        body = openai(questions)
+        for answer in body["answers"]:
+            assert answer["x_injection_suspected"] == pytest.approx(alone[answer["name"]], abs=1e-6), answer["name"]
+        assert body["x_semif"]["injection_suspected"] == max(alone.values())
+    plain = client.post("/v1/decisions", json={"model": "gpt-6-luna", "input": INJECTED, "questions": [predicate]}).json()
+    assert "x_injection_suspected" not in plain["answers"][0] and "x_semif" not in plain  # OpenAI's own shape
 
 
 def test_a_server_default_of_options_first_falls_back_to_state_first_for_several_questions(engine, model_path):

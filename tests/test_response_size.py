@@ -1,6 +1,6 @@
 """Answers are bounded: with `return_prompt` a batch shows its state once (its decisions' prompts share it), an
-answer over SEMIF_MAX_RESPONSE_BYTES is refused with 413 naming `return_prompt`, and answers are serialised
-off the event loop."""
+answer over SEMIF_MAX_RESPONSE_BYTES is refused with 413 naming `return_prompt` (a JSON Lines record with a 413
+line of its own), and answers are serialised off the event loop."""
 
 from __future__ import annotations
 
@@ -66,6 +66,42 @@ def test_each_decisions_prompt_is_the_shared_text_and_its_own_as_one_decision_wo
         assert whole["prompt"]["recompute"] == single["prompt"]["recompute"]  # made whole again: the same record
 
 
+def test_a_batchs_prompt_records_hold_its_state_once_while_they_are_built(engine, memo_off, snapshots_off):
+    """What a result with return_prompt keeps per added question is its own prompt, not another copy of the
+    state's token records: the engine builds the state's records once and every question's record shares them.
+    (Memo and prefix snapshots off: what they keep is not the result's.)"""
+    import tracemalloc
+
+    from semif.serving.engine.context import recompute_segments
+    from semif.serving.engine.prompt import Outcome, Question
+
+    outcomes = tuple(Outcome(o["id"]) for o in OPTIONS)
+    questions = [Question(f"Question {i}: which queue should handle this?", outcomes) for i in range(11)]
+
+    def kept(plan) -> int:
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            result = engine.execute(plan)
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert all(d.recompute is not None for d in result.distributions)
+        return held
+
+    one = engine.plan(STATE, questions[:1], return_prompt=True, debias="none")
+    kept(one)  # warms what every request keeps the same (the prefix in the context, its memo digest)
+    per_question = (kept(engine.plan(STATE, questions, return_prompt=True, debias="none")) - kept(one)) / 10
+    tracemalloc.start()
+    try:
+        state_records = recompute_segments(one.prefix_segments)
+        copy = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    print(f"kept per added question: {per_question:.0f} bytes; one copy of the state's records: {copy} bytes")
+    assert state_records and per_question < copy
+
+
 @pytest.fixture(scope="module")
 def capped(engine):
     from starlette.testclient import TestClient
@@ -86,6 +122,24 @@ def test_an_answer_over_the_cap_is_a_413_naming_return_prompt_and_the_server_kee
     assert capped.get("/ping").status_code == 200
     assert capped.post("/v1/semif", json={**_batch(10), "return_prompt": False}).status_code == 200
     assert capped.post("/v1/semif", json=_batch(1)).status_code == 200
+
+
+def test_a_json_lines_record_over_the_cap_gets_its_own_413_line_and_the_others_are_answered(capped):
+    import json
+
+    small = {"decision": {**_decisions(1)[0], "id": "small", "state": "Where is my parcel?"}, "debias": "none"}
+    lines = [small, _batch(10), {**small, "return_prompt": True}]
+    response = capped.post("/invocations", content="".join(json.dumps(line) + "\n" for line in lines).encode(),
+                           headers={"content-type": "application/jsonlines"})
+    assert response.status_code == 200, response.text
+    first, over, last = [json.loads(line) for line in response.text.splitlines()]
+    assert first["choice"] in {o["id"] for o in OPTIONS} and last["prompt"]["text"]
+    assert over["error"]["code"] == "response_too_large" and over["error"]["field"] == "return_prompt", over
+    assert "SEMIF_MAX_RESPONSE_BYTES" in over["error"]["message"]
+    # Without the prompt the same record fits: the field named is the one to change.
+    again = capped.post("/invocations", content=(json.dumps({**_batch(10), "return_prompt": False}) + "\n").encode(),
+                        headers={"content-type": "application/jsonlines"})
+    assert "results" in json.loads(again.text.splitlines()[0]), again.text
 
 
 def test_answers_are_serialised_off_the_event_loop(client, monkeypatch):

@@ -343,6 +343,43 @@ def test_worst_case_counts_in_the_token_budget(engine, layout):
         engine.plan(state, [question], layout=layout, max_request_tokens=planned.worst_case_tokens - 1, second_look=look)
 
 
+def test_after_state_first_injection_checks_the_state_the_second_look_evaluates_again_counts(engine, model_path):
+    from starlette.testclient import TestClient
+
+    from semif.serving.engine.plan import SecondLook, TokenBudgetExceeded
+    from semif.serving.http.app import create_app
+    from serving import make_settings
+
+    state = TICKET * 20  # long: the state the second look evaluates again dominates what it adds
+    look = SecondLook(below_margin=1.0, max_tokens=8)
+    checked = engine.plan(state, [_question()], injection_check=True, debias="none")
+    planned = engine.plan(state, [_question()], injection_check=True, debias="none", second_look=look)
+    # Each check's own prefix (its question, then the state) replaces the request's: the first second look
+    # evaluates the request's state again, less the template head they share.
+    head = len(planned.prefix_segments[0])
+    assert planned.worst_case_tokens - checked.worst_case_tokens > planned.state_tokens - head
+    start_cold(engine)
+    result = engine.execute(planned)
+    assert result.distributions[0].second_look["ran"]
+    assert result.evaluated_tokens <= planned.worst_case_tokens
+    assert result.distributions[0].second_look["evaluated_tokens"] > planned.state_tokens - head
+    with pytest.raises(TokenBudgetExceeded) as over:
+        engine.plan(state, [_question()], injection_check=True, debias="none", second_look=look,
+                    max_request_tokens=planned.worst_case_tokens - 1, budget_field="decision")
+    assert over.value.field == "second_look"
+    # On the wire: a 413 naming the field that asked for the look (the request's, or its policy's).
+    budget = planned.worst_case_tokens - 1
+    with TestClient(create_app(make_settings(model_path, max_request_tokens=budget), engine),
+                    raise_server_exceptions=False) as http:
+        body = {"decision": dict(DECISION, state=state), "injection_check": True, "debias": "none"}
+        assert http.post("/v1/semif", json=body).status_code == 200
+        for extra, field in (({"second_look": {"below_margin": 1.0, "max_tokens": 8}}, "second_look"),
+                             ({"policy": {"min_margin": 1.0, "second_look": {"max_tokens": 8}}}, "policy.second_look")):
+            refused = http.post("/v1/semif", json={**body, **extra})
+            assert refused.status_code == 413, refused.text
+            assert refused.json()["error"]["field"] == field
+
+
 def test_reasoning_keeps_characters_that_span_tokens(engine, monkeypatch):
     """The reasoning is decoded once, from bytes: a character split across tokens is not garbled."""
     from semif.serving.engine.plan import SecondLook
@@ -392,9 +429,14 @@ def test_a_second_look_request_is_never_collected_with_others():
 
     collector = BatchCollector.__new__(BatchCollector)
     collector.n_seq = 8
+    # The collector asks engine/batching.py's own batchable(): an engine with several sequences and partial
+    # rewinds, and label plans that differ only in their second look.
+    collector.engine = SimpleNamespace(n_seq=8, partial_rewind=True)
+    question = SimpleNamespace(suffix_tokens=[1], reversed=None, temperature=None, own_prefix_segments=None)
 
     def waiting(look):
-        return SimpleNamespace(plan=SimpleNamespace(questions=[1], second_look=look))
+        return SimpleNamespace(plan=SimpleNamespace(questions=[question], second_look=look, scoring="label",
+                                                    injection_check=None))
 
     plain, looking = waiting(None), waiting(object())
     collector._pending = collections.deque([plain, plain, looking, plain])

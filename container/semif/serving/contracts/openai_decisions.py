@@ -15,7 +15,7 @@ from typing import Any, Optional
 from ..engine.context import Distribution, ScoreResult
 from ..engine.prompt import Outcome, Question, options_sha256
 from .base import (DEBIAS_VALUES, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt,
-                   option_description_problem, option_id_problem)
+                   highest_injection_suspected, option_description_problem, option_id_problem)
 
 NAME = "openai_decisions"
 # Answered besides the served model's name (app.py checks): the one model the SDK documents.
@@ -258,6 +258,7 @@ def parse(body: Any, limits: Limits) -> Job:
 
     def render(result: ScoreResult, run: RunContext) -> dict:
         cached = result.cached_tokens
+        injection_suspected = highest_injection_suspected(result)  # of the answers' own x_injection_suspected
         echoed = {"id": record_id} if record_id is not None else {}
         calibrations = ([getattr(d, "calibration", None) for d in result.distributions]
                         if any(getattr(d, "calibration", None) is not None for d in result.distributions) else None)
@@ -281,11 +282,11 @@ def parse(body: Any, limits: Limits) -> Job:
             # loaded (its probabilities are not the model's), so that a plain OpenAI request gets exactly
             # OpenAI's shape. The server's default debiasing is in its configuration and every log line.
             **({"x_semif": {"template_version": result.template_version, "layout": result.layout,
-                            "injection_suspected": result.injection_suspected, "debias": debiased,
+                            "injection_suspected": injection_suspected, "debias": debiased,
                             **({"content_free": [d.content_free for d in result.distributions]}
                                if debiased == "content_free" else {}),
                             **({"calibration": calibrations} if calibrations else {})}}
-               if extended or result.injection_suspected is not None or calibrations else {}),
+               if extended or injection_suspected is not None or calibrations else {}),
         }
 
     # No decision_ids: a calibration keyed by question name would make answers depend on the names.
@@ -295,7 +296,14 @@ def parse(body: Any, limits: Limits) -> Job:
 
 
 def _answer(spec: dict, dist: Distribution) -> dict:
-    probabilities = dist.probabilities
+    answer = _openai_answer(spec, dist.probabilities)
+    if getattr(dist, "injection_suspected", None) is not None:
+        # Our extension, only when the check ran: this answer's own check (the state read after its options alone).
+        answer["x_injection_suspected"] = dist.injection_suspected
+    return answer
+
+
+def _openai_answer(spec: dict, probabilities: list[float]) -> dict:
     kind, name = spec["type"], spec["name"]
     if kind == "predicate":
         return {"type": "predicate", "name": name, "probability": probabilities[0]}

@@ -16,7 +16,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from ..engine.context import Distribution, ScoreResult
 from ..engine.prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
-from .base import (MAX_ECHO, Job, JsonTextBudget, Limits, RequestError, RunContext, SecondLookSpec, excerpt, option_description_problem,
+from .base import (MAX_ECHO, Job, JsonTextBudget, Limits, RequestError, RunContext, SecondLookSpec, excerpt,
+                   highest_injection_suspected, option_description_problem,
                    option_id_problem)
 
 NAME = "systemone"
@@ -281,7 +282,8 @@ def parse(body: Any, limits: Limits) -> Job:
                 "flash_attn": info.get("flash_attn"),
                 "template_version": getattr(result, "template_version", None) or info.get("template_version") or TEMPLATE_VERSION,
                 "layout": getattr(result, "layout", "state_first"),
-                "injection_suspected": getattr(result, "injection_suspected", None),
+                # The highest of the answers' own x_injection_suspected (null when the check did not run).
+                "injection_suspected": highest_injection_suspected(result),
                 "template_sha256": info.get("template_sha256"),
                 "image_digest": run.image_digest,
                 "base_image_digest": info.get("base_image_digest"),
@@ -322,6 +324,9 @@ def parse(body: Any, limits: Limits) -> Job:
 def _answer(q: Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], dist: Distribution, opt_hash: str) -> dict:
     probabilities = dist.probabilities
     extras = {"x_option_logits": dist.option_logits, "x_options_sha256": opt_hash}
+    if getattr(dist, "injection_suspected", None) is not None:
+        # This answer's own check: the state read after this question's options alone.
+        extras["x_injection_suspected"] = dist.injection_suspected
     if getattr(dist, "second_look", None) is not None:
         extras["x_second_look"] = dist.second_look  # which pass decided, and the first pass's answer
     if isinstance(q, NoulQuestion):

@@ -205,9 +205,9 @@ def _ggml_type_name(value: int) -> str:
     return str(value)
 
 
-def recompute_segments(segments: Sequence[Sequence[int]]) -> list[dict]:
-    """Segments as the recompute record lists them: each one's first position and tokens."""
-    out, pos = [], 0
+def recompute_segments(segments: Sequence[Sequence[int]], start: int = 0) -> list[dict]:
+    """Segments as the recompute record lists them: each one's first position and tokens (the first at ``start``)."""
+    out, pos = [], start
     for segment in segments:
         out.append({"pos": pos, "tokens": [int(t) for t in segment]})
         pos += len(segment)
@@ -411,6 +411,7 @@ class Engine:
         self._content_free: "OrderedDict[bytes, list[float]]" = OrderedDict()
         self.content_free_passes = 0  # content-free plans evaluated (the others were answered from held priors)
         self._memo_prefix: Optional[tuple[list, "hashlib._Hash"]] = None  # (prefix list, its digest): _memo_key
+        self._record_prefix: Optional[tuple[list, list[dict]]] = None  # (prefix list, its records): _record_segments
         self._snapshot: Optional[tuple[list[tuple[int, ...]], ctypes.Array]] = None
         self.lock = threading.Lock()  # defensive: callers already serialize
 
@@ -550,17 +551,25 @@ class Engine:
         second_look: Optional[SecondLook] = None,
         second_look_field: str = "second_look",
         default_debias: Optional[str] = None,
+        injection_check_field: str = "injection_check",
     ) -> PromptPlan:
         """Everything per request that does not need the context: fencing, tokens, labels, length and
         budget checks. Safe to call from any thread while the model thread computes: llama.cpp's
         tokenizer only reads the vocabulary. ``layout`` and ``injection_check``: see plan.build_plan.
-        ``second_look``: see plan.SecondLook (label scoring only; its worst case counts in the budget)."""
+        ``second_look``: see plan.SecondLook (label scoring only; its worst case counts in the budget).
+
+        A request over the token budget (``max_request_tokens``) is refused naming what pushed it over: the
+        questions (``budget_field``), then, in this order, each addition that does not fit on top of them: the
+        injection checks (``injection_check_field``), debias 'content_free' (``debias``, or ``budget_field``
+        under the server default), the second look (``second_look_field``)."""
         if second_look is not None:
+            # Everything but the second look is planned, and refused, as without it.
             planned = self.plan(state_text, questions, scoring=scoring, return_prompt=return_prompt,
                                 state_field=state_field, question_fields=question_fields,
-                                question_names=question_names, budget_field=budget_field, max_request_tokens=None,
-                                layout=layout, injection_check=injection_check, layout_field=layout_field, debias=debias,
-                                default_debias=default_debias)
+                                question_names=question_names, budget_field=budget_field,
+                                max_request_tokens=max_request_tokens, layout=layout, injection_check=injection_check,
+                                layout_field=layout_field, debias=debias, default_debias=default_debias,
+                                injection_check_field=injection_check_field)
             if planned.scoring != "label" or self.native is not None:
                 raise SecondLookUnsupported("the second look reads labels: it needs label scoring on a chat model",
                                             field=second_look_field)
@@ -571,10 +580,15 @@ class Engine:
             again = sum(len(s) for s in planned.prefix_segments) if planned.layout == "options_first" else 0
             suffixes = tuple(self._second_look_suffix(planned, q) for q in planned.questions)
             extra = sum(len(s) + second_look.max_tokens + cue + again for s in suffixes)
+            extra += self._prefix_after_checks(planned)
             planned = replace(planned, second_look=second_look, second_look_tokens=extra,
                               second_look_suffixes=suffixes)
             if max_request_tokens is not None and planned.worst_case_tokens > max_request_tokens:
-                raise TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens, field=budget_field)
+                over = TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens, field=second_look_field)
+                over.args = (f"{over}; the second look counts, per question, its reasoning budget "
+                             f"({second_look.max_tokens} tokens) and its own prompt: ask for fewer reasoning tokens, "
+                             "or leave the second look out",)
+                raise over
             return planned
         scoring = scoring or self.default_scoring
         if scoring not in ("label", "sequence"):
@@ -615,6 +629,7 @@ class Engine:
             n_ctx=self.n_ctx, n_batch=self.n_batch, questions=questions, scoring=scoring,
             question_fields=question_fields, question_names=question_names, budget_field=budget_field,
             layout=layout, layout_field=layout_field, end_of_turn_token=self.end_of_turn_token,
+            injection_check_field=injection_check_field, partial_rewind=self.partial_rewind,
         )
         if debias != "content_free":
             return build_plan(**common, state_text=state_text, state_field=state_field,
@@ -656,6 +671,22 @@ class Engine:
                          "debias 'none' to leave it out",)
             raise over
         return planned
+
+    def _prefix_after_checks(self, plan: PromptPlan) -> int:
+        """Prefix tokens the second look evaluates again because state-first injection checks ran before it:
+        each check's own prefix (its question, then the state) replaced the request's in the context, so the
+        first second look evaluates the request's prefix again, less the leading segments the check's prefix
+        shares with it (the template head) where the context keeps them (_rewind); the looks after it reuse it."""
+        own = [c for c in plan.injection_checks if c.own_prefix_segments is not None]
+        if plan.layout != "state_first" or not own:
+            return 0
+        kept = 0
+        if self.partial_rewind:
+            for mine, theirs in zip(plan.prefix_segments, own[-1].own_prefix_segments):
+                if mine != theirs:
+                    break
+                kept += len(mine)
+        return plan.state_tokens - kept
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
         """The state prefix as evaluation segments (see ``plan``): the template head, then the fenced
@@ -1079,6 +1110,7 @@ class Engine:
             raise
         finally:
             self._cancel = None
+            self._record_prefix = None  # the records keep what they share; the engine does not keep it
 
     def _content_free_key(self, content_free: PromptPlan, qplan: QuestionPlan) -> bytes:
         variants = [t for variant in (qplan.label_variants or ()) for t in (*variant, -1)]
@@ -1452,6 +1484,16 @@ class Engine:
             cached = self._memo_prefix = (prefix, _tokens_digest(prefix))
         return _tokens_digest((suffix, label_ids), cached[1].copy()).digest()
 
+    def _record_segments(self, prefix: list[list[int]], suffix: Sequence[int]) -> list[dict]:
+        """``recompute_segments(prefix + [suffix])``, the prefix's entries built once per prefix list and shared by
+        every question's record (kept by identity, as ``_memo_key`` keeps its digest, and let go when the request
+        ends, ``_running``): a request's records hold its state once, not once per question. Nobody mutates them: the
+        contracts copy what they rewrite (contracts/semif.py, shared_prompt)."""
+        held = self._record_prefix
+        if held is None or held[0] is not prefix:
+            held = self._record_prefix = (prefix, recompute_segments(prefix))
+        return held[1] + recompute_segments([suffix], start=sum(len(s) for s in prefix))
+
     def _score_labels(self, qplan: QuestionPlan, prefix: list[list[int]], suffix: list[int], *, fuse: bool = False,
                       record: bool = False) -> Distribution:
         """``fuse``: evaluate the prefix's last segment and the suffix as one segment
@@ -1480,7 +1522,8 @@ class Engine:
         recompute = None
         if record:
             recompute = {"scoring": "label", "settings": dict(self.numerics),
-                         "segments": recompute_segments(self._label_segments(prefix, suffix, fuse)),
+                         "segments": (recompute_segments(self._label_segments(prefix, suffix, fuse)) if fuse
+                                      else self._record_segments(prefix, suffix)),
                          "logits_at": [total - 1], "label_variant_ids": variants}
         return Distribution(
             recompute=recompute,
@@ -1532,7 +1575,7 @@ class Engine:
         if record:
             # Each answer: its tokens; all but the last are one more segment after the prompt (the context
             # rewound to the prompt's end first), logits at every position of it.
-            recompute = {"scoring": "sequence", "settings": dict(self.numerics), "segments": recompute_segments(body),
+            recompute = {"scoring": "sequence", "settings": dict(self.numerics), "segments": self._record_segments(prefix, suffix),
                          "logits_at": [prompt_len - 1], "answers": [[int(t) for t in a] for a in answers]}
         return Distribution(
             recompute=recompute,

@@ -115,6 +115,9 @@ class QuestionPlan:
     # so it has its own prefix (head, reversed options, state) instead of the plan's; None otherwise.
     own_prefix_pieces: Optional[tuple[Piece, ...]] = None
     own_prefix_segments: Optional[tuple[tuple[int, ...], ...]] = None
+    # Of those, the leading tokens the request's own prefix already holds when this question runs (the
+    # template head of a state-first injection check): evaluated once per request, so counted once.
+    own_prefix_held: int = 0
     temperature: Optional[float] = None  # a native decision model's own (semif/serving/engine/native.py); None: 1
 
     @property
@@ -128,7 +131,8 @@ class QuestionPlan:
     @property
     def worst_case_tokens(self) -> int:
         """Tokens this question evaluates after the state prefix when nothing of it is cached."""
-        own = len(self.suffix_tokens) + sum(len(a) for a in self.answer_tokens) + self.own_prefix_tokens
+        own = (len(self.suffix_tokens) + sum(len(a) for a in self.answer_tokens) + self.own_prefix_tokens
+               - self.own_prefix_held)
         return own + (self.reversed.worst_case_tokens if self.reversed is not None else 0)
 
     @property
@@ -426,6 +430,8 @@ def build_plan(
     layout_field: str = "layout",
     debias: str = "none",
     end_of_turn_token: Optional[int] = None,
+    injection_check_field: str = "injection_check",
+    partial_rewind: bool = True,
 ) -> PromptPlan:
     """``layout``: "state_first" (the default) or "options_first" (single-question requests only: a plan
     with several questions is refused with a PlanError naming ``layout_field``; contracts and the HTTP
@@ -433,7 +439,12 @@ def build_plan(
 
     Pieces are tokenized with their neighbours so that their tokens equal the whole prompt's
     (_head_tokens, _tokenize_after, _question_tokens; tests/test_labels_debias.py checks BPE and
-    SentencePiece vocabularies)."""
+    SentencePiece vocabularies).
+
+    The token budget (``max_request_tokens``) is checked for the request without its injection checks first
+    (naming ``budget_field``), then as each check is planned (naming ``injection_check_field``: the request
+    fits without them). ``partial_rewind``: whether the context keeps a prefix's leading segments when it
+    drops the rest (the engine's), so that a check's own prefix reuses the template head the request evaluated."""
     fields = list(question_fields) if question_fields is not None else [f"questions[{i}]" for i in range(len(questions))]
     names = list(question_names) if question_names is not None else [str(i) for i in range(len(questions))]
     if layout not in LAYOUTS:
@@ -470,6 +481,8 @@ def build_plan(
         return (tuple(label_set.texts[i] for i in slots), tuple(label_set.token_ids[i] for i in slots),
                 tuple(label_set.variants_of(i) for i in slots))
 
+    full_block_text = template.options_first_state_part(state_text) if layout == "options_first" or injection_check else ""
+
     def blocks(tokens: Sequence[int]) -> list[tuple[int, ...]]:
         return [tuple(tokens[i : i + n_batch]) for i in range(0, len(tokens), n_batch)]
 
@@ -499,9 +512,14 @@ def build_plan(
         head_text, question_text = template.options_first_prefix_parts(question, label_choice(question, order)[0], order)
         return questions_then_state(head_text, question_text)
 
+    # The fenced state's tokens after a question block depend on the state and on the block's last line only
+    # (_tokenize_after reads that much of what precedes): tokenized once per distinct line, not once per
+    # question, so that a request's injection checks tokenize the state about once (they end alike: the reply line).
+    state_after: dict[tuple[str, str], tuple[str, tuple, str, list, list]] = {}
+
     def questions_then_state(head_text: str, question_text: str) -> _Prefix:
         """[head][question text][blank line + fenced state]: the options-first prefix's shape."""
-        block_text = template.options_first_state_part(state_text)
+        block_text = full_block_text
         head_tokens = _head_tokens(tokenize, head_text, question_text.split(" ", 1)[0])
         if not head_tokens and adds_bos and bos_token is not None:
             head_tokens = [bos_token]
@@ -514,21 +532,25 @@ def build_plan(
         joined = _join_across(tokenize, question_text, question_tokens, between) if block_text.startswith(between) else None
         if joined:
             question_text, question_tokens, block_text = question_text + between, joined, block_text[len(between):]
-        state_tokens = _tokenize_after(tokenize, question_text, block_text, special=False)
-        joined = _join_across(tokenize, block_text, state_tokens, between)
-        moved = between if joined else ""
-        if joined:
-            block_text, state_tokens = block_text + moved, joined
+        key = (_context_tail(question_text), "moved" if joined else "")
+        if key not in state_after:
+            state_tokens = _tokenize_after(tokenize, question_text, block_text, special=False)
+            joined = _join_across(tokenize, block_text, state_tokens, between)
+            moved = between if joined else ""
+            if joined:
+                block_text, state_tokens = block_text + moved, joined
+            # The fence opener (blank line, `<state>`, newline) is the same for every state: it goes with the
+            # question block, so it stays cached across states too.
+            opener, rest = _split_fence_opener(tokenize, question_text, block_text, state_tokens)
+            state_after[key] = (block_text, tuple(state_tokens), moved, opener, blocks(rest))
+        block_text, state_tokens, moved, opener, rest_blocks = state_after[key]
         pieces = (
             Piece("template", head_text, tuple(head_tokens), True),
             Piece("question", question_text, tuple(question_tokens), False),
-            Piece("state", block_text, tuple(state_tokens), False),
+            Piece("state", block_text, state_tokens, False),
         )
-        # The fence opener (blank line, `<state>`, newline) is the same for every state: it goes with the
-        # question block, so it stays cached across states too.
-        opener, rest = _split_fence_opener(tokenize, question_text, block_text, state_tokens)
         lead = ([tuple(head_tokens)] if head_tokens else []) + blocks(question_tokens + opener)
-        return _Prefix(pieces, lead + blocks(rest), block_text, len(lead), moved)
+        return _Prefix(pieces, lead + rest_blocks, block_text, len(lead), moved)
 
     def after_state(text: str, moved: str) -> str:
         """A suffix's first piece without the text its prefix took over (_join_across)."""
@@ -596,6 +618,24 @@ def build_plan(
             raise PromptTooLong(need, n_ctx, field=state_field, what="the state")
         planned.append(plan)
 
+    unchecked = PromptPlan(
+        state_text=state_text,
+        scoring=scoring,
+        template_version=template.version(layout),
+        prefix_pieces=prefix_pieces,
+        prefix_segments=tuple(segments),
+        shared_segments=n_shared,
+        questions=tuple(planned),
+        return_prompt=return_prompt,
+        layout=layout,
+        debias=debias,
+        fuse_state_and_question=(layout == "options_first" and scoring == "label" and debias in ("none", "content_free")
+                                 and len(planned) == 1),
+    )
+    # The request without its checks must fit before any check is planned (each tokenizes the state again).
+    if max_request_tokens is not None and unchecked.worst_case_tokens > max_request_tokens:
+        raise TokenBudgetExceeded(unchecked.worst_case_tokens, max_request_tokens, field=budget_field)
+
     checks: list[QuestionPlan] = []
     if injection_check:
         # Always label-scored on the binary labels, whatever the request's scoring: one forward pass.
@@ -628,34 +668,47 @@ def build_plan(
                 raise PromptTooLong(need, n_ctx, field=state_field, what="the injection check")
             return check_plan
 
+        # The budget first: the request without its checks, then each check as it is planned, so that a request
+        # the checks push over the budget is refused after planning at most the checks that fit, naming
+        # ``injection_check_field``.
+        counted = unchecked.worst_case_tokens
+
+        def count(check: QuestionPlan) -> None:
+            nonlocal counted
+            counted += check.worst_case_tokens
+            if max_request_tokens is not None and counted > max_request_tokens:
+                over = TokenBudgetExceeded(counted, max_request_tokens, field=injection_check_field)
+                over.args = (f"the request with its injection checks may evaluate at least {counted} tokens (without "
+                             f"them {unchecked.worst_case_tokens}); this server allows {max_request_tokens} per request "
+                             "(SEMIF_MAX_REQUEST_TOKENS). Each distinct question's check reads the state again after "
+                             f"that question's options: leave the check out ({injection_check_field}) or send fewer "
+                             "questions",)
+                raise over
+
+        by_block: dict[str, QuestionPlan] = {}
         if layout == "state_first":
             # Each question's check reads the state after that question and its options alone
             # (INJECTION_CHECK_LAYOUT): its own prefix, the state evaluated again after the options, and a
             # value that does not depend on the request's other questions. Copies of a question share one.
-            by_block: dict[str, QuestionPlan] = {}
             for q in questions:
                 shown = render_question_block(q, label_choice(q, tuple(range(len(q.outcomes))))[0], style=template.style)
                 if shown not in by_block:
-                    by_block[shown] = plan_check(questions_then_state(*template.injection_check_prefix_parts([shown])))
+                    check_prefix = questions_then_state(*template.injection_check_prefix_parts([shown]))
+                    # Its leading segments that the request's own prefix holds (the template head) are reused
+                    # where the context rewinds partially: evaluated once for the request.
+                    held = 0
+                    if partial_rewind:
+                        for mine, theirs in zip(check_prefix.segments, segments):
+                            if mine != theirs:
+                                break
+                            held += len(mine)
+                    by_block[shown] = replace(plan_check(check_prefix), own_prefix_held=held)
+                    count(by_block[shown])
                 checks.append(by_block[shown])
         else:
             checks.append(plan_check(None))  # options-first: the decision's own prefix already shows its options
+            count(checks[0])
 
-    result = PromptPlan(
-        state_text=state_text,
-        scoring=scoring,
-        template_version=template.version(layout),
-        prefix_pieces=prefix_pieces,
-        prefix_segments=tuple(segments),
-        shared_segments=n_shared,
-        questions=tuple(planned),
-        return_prompt=return_prompt,
-        layout=layout,
-        injection_checks=tuple(checks),
-        debias=debias,
-        fuse_state_and_question=(layout == "options_first" and scoring == "label" and debias in ("none", "content_free")
-                                 and not checks and len(planned) == 1),
-    )
-    if max_request_tokens is not None and result.worst_case_tokens > max_request_tokens:
-        raise TokenBudgetExceeded(result.worst_case_tokens, max_request_tokens, field=budget_field)
-    return result
+    # Counted above, check by check (copies of a question share one, as in worst_case_tokens).
+    return replace(unchecked, injection_checks=tuple(checks),
+                   fuse_state_and_question=unchecked.fuse_state_and_question and not checks)

@@ -19,7 +19,7 @@ from .admission import Abandoned, Admission, Cancellation, Overloaded
 from .auth import BearerAuth
 from .disconnect import watching
 from .headers import SAGEMAKER_ATTRIBUTES, custom_attribute, request_id_of
-from .responses import json_answer
+from .responses import check_size, json_answer, json_bytes
 from .body import MAX_JSON_DEPTH, BodyBudget, BodyBudgetExceeded, read_json  # noqa: F401 (MAX_JSON_DEPTH: re-exported)
 from ..config import Settings
 from ..contracts import semif as semif_contract
@@ -74,11 +74,15 @@ class DecisionService:
         """Layout and injection check for one request: what it asked, else the server's defaults
         (SEMIF_LAYOUT, SEMIF_INJECTION_CHECK); a policy with max_injection always runs the check."""
         check = job.injection_check if job.injection_check is not None else self.settings.injection_check
+        # What a 413 names when the checks push the request over the token budget: what turned them on.
+        check_field = "injection_check" if job.injection_check else job.budget_field
         if needs_injection_check(getattr(job, "policy", None), self.decision_postprocessor.default_policy):
             check = True
+            if not job.injection_check and needs_injection_check(getattr(job, "policy", None)):
+                check_field = "policy.max_injection"  # the request's own policy asked for it
         return {"layout": resolve_layout(job, self.settings.layout), "injection_check": check,
                 "layout_field": job.layout_field, "second_look": job.second_look,
-                "second_look_field": job.second_look_field}
+                "second_look_field": job.second_look_field, "injection_check_field": check_field}
 
     async def read_body(self, request: Request) -> Any:
         """The parsed JSON body, read once per request: /invocations peeks at it to pick chat or decisions
@@ -250,11 +254,11 @@ class DecisionService:
             log.info("request", extra=fields)
 
     async def answer_record(self, body: Any, contract, *, request_id: str, cancel: Cancellation,
-                            limits: "jsonlines.RouteLimits") -> tuple[int, dict, dict]:
+                            limits: "jsonlines.RouteLimits") -> tuple[int, "bytes | dict", dict]:
         """One record of a JSON Lines mini-batch (semif/serving/http/jsonlines.py), on the same path as a JSON request:
         parse, plan off the model thread (fencing, tokens, length and budget checks), admission, execute with
-        ``cancel`` checked between questions, render. Returns (status, the answer or the contract's error body,
-        log fields). Overloaded propagates: the mini-batch as a whole is refused so that Batch Transform retries it;
+        ``cancel`` checked between questions, render. Returns (status, the answer as JSON bytes or the contract's
+        error body, log fields). Overloaded propagates: the mini-batch as a whole is refused so that Batch Transform retries it;
         so does ClientDisconnect, when the mini-batch's client went away (nobody reads the answer)."""
         fields: dict[str, Any] = {}
         try:
@@ -291,7 +295,12 @@ class DecisionService:
                              total_ms=admitted.queue_ms + admitted.compute_ms, image_digest=self.settings.image_digest)
             fields.update(tokens=result.input_tokens, cached_tokens=result.cached_tokens,
                           evaluated_tokens=result.evaluated_tokens)
-            return 200, job.render(result, run), fields
+            # Rendered and serialised off the event loop, within the cap a JSON answer has: a record over it gets
+            # its own 413 line, and the other records are still answered.
+            answer = await asyncio.to_thread(lambda: json_bytes(job.render(result, run)))
+            field = "return_prompt" if job.return_prompt else job.budget_field
+            return 200, check_size(answer, max_bytes=self.settings.max_response_bytes, field=field,
+                                   what="the record's answer"), fields
         except (RequestError, EngineError) as exc:
             error = jsonlines.as_request_error(exc)
         except (Overloaded, ClientDisconnect):

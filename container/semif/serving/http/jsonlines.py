@@ -4,7 +4,9 @@
 Each line is one request of any decision contract, detected per line as /invocations detects a JSON body.
 The answer has one line per input line, in order: the contract's answer, or an error object in that
 contract's error shape (plus the record's `id` where one is known; messages name the line within the
-mini-batch). One bad line never fails the others. Records run one after another on the one context, so
+mini-batch). One bad line never fails the others. Each record's answer is held to the size a JSON answer may take
+(`SEMIF_MAX_RESPONSE_BYTES`): a record over it gets its own 413 `response_too_large` line, naming `return_prompt`
+when it asked for the prompt, else its decisions field. Records run one after another on the one context, so
 consecutive lines that share a state reuse its prefix exactly as the questions of one request do.
 
 One set of limits per route. In a Batch Transform job's container (`SEMIF_BATCH_TRANSFORM`, which
@@ -21,7 +23,6 @@ the lines answered).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter
@@ -35,6 +36,7 @@ from . import chat
 from .admission import Cancellation, Overloaded
 from .body import DEFAULT_MAX_JSON_VALUES, parse_json, read_bytes
 from .headers import request_id_of
+from .responses import json_bytes
 from ..contracts import semif as semif_contract
 from ..contracts.base import RequestError
 from ..engine.context import EngineError, LabelError, PlanError, PromptTooLong, TokenBudgetExceeded
@@ -184,8 +186,10 @@ def count_records(raw: bytes) -> int:
 
 
 def serialise(out: list) -> bytes:
-    """The answer lines as one UTF-8 JSON Lines body (run in a worker thread: a mini-batch can be large)."""
-    return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in out).encode("utf-8")
+    """The answer lines as one UTF-8 JSON Lines body (run in a worker thread: a mini-batch can be large). An
+    answered record is already its JSON bytes (answer_record serialises it to check its size); an error line is
+    serialised here, the same way."""
+    return b"".join((line if isinstance(line, bytes) else json_bytes(line)) + b"\n" for line in out)
 
 
 def split_lines(raw: bytes) -> list[bytes]:
