@@ -549,3 +549,97 @@ def test_a_batched_request_cancelled_in_its_content_free_pass_keeps_nothing_and_
         assert other.distributions[0].debias == "none"
     finally:
         batched.close()
+
+
+# ---- the caller's abstain option ------------------------------------------------------------------------
+
+ESCAPE = Outcome("needs_more_info", "The message does not say enough to route it.")
+ROUTE_OR_ASK = Question(ROUTE.text, ROUTE.outcomes + (ESCAPE,), abstain=3)
+ASK_FIRST = Question(ROUTE.text, (ESCAPE,) + ROUTE.outcomes, abstain=0)
+
+
+@pytest.mark.parametrize("question", [ROUTE_OR_ASK, ASK_FIRST], ids=["last", "first"])
+def test_the_abstain_option_keeps_its_content_free_share_and_the_others_lose_their_bias(fresh, question):
+    """A content-free state is itself a reason to abstain: the marked option is not divided by its prior; the
+    others are, and share what the content-free answer left them."""
+    engine = fresh
+    a = question.abstain
+    got = engine.score(STATES[2], [question], debias="content_free").distributions[0]
+    start_cold(engine)
+    raw = engine.score(STATES[2], [question], debias="none").distributions[0]
+    start_cold(engine)
+    prior = engine.score(CONTENT_FREE_STATE, [question], debias="none").distributions[0]
+    p = np.asarray(prior.probabilities)
+    n = len(p)
+    shift = np.log(p) - np.log((1 - p[a]) / (n - 1))
+    shift[a] = 0.0
+    expected = np.asarray(raw.option_logits) - shift
+    np.testing.assert_allclose(got.option_logits, expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got.probabilities, softmax(expected), rtol=0, atol=1e-6)
+    assert got.content_free["abstain_kept"] == a
+    # On the content-free state itself the answer is the abstain option's content-free share, the rest even.
+    on_nothing = softmax(np.asarray(prior.option_logits) - shift)
+    assert on_nothing[a] == pytest.approx(p[a], abs=1e-6)
+    np.testing.assert_allclose(np.delete(on_nothing, a), (1 - p[a]) / (n - 1), rtol=0, atol=1e-6)
+    # Unmarked, the same question divides the abstain option out too: another answer (not vacuous).
+    start_cold(engine)
+    plain = engine.score(STATES[2], [Question(question.text, question.outcomes)], debias="content_free").distributions[0]
+    assert "abstain_kept" not in plain.content_free
+    assert abs(plain.probabilities[a] - got.probabilities[a]) > 1e-3
+
+
+def test_a_prior_held_for_the_unmarked_question_gives_the_marked_one_its_cold_answer(fresh, model_path):
+    engine = fresh
+    engine.score(STATES[0], [Question(ROUTE_OR_ASK.text, ROUTE_OR_ASK.outcomes)], debias="content_free")
+    held = engine.score(STATES[1], [ROUTE_OR_ASK], debias="content_free", return_prompt=True).distributions[0]
+    assert held.content_free["held"] is True
+    cold = _cold(engine, STATES[1], [ROUTE_OR_ASK]).distributions[0]
+    assert held.option_logits == cold.option_logits and held.probabilities == cold.probabilities
+    # semif-recompute rebuilds the kept share from the record alone.
+    np.testing.assert_allclose(recompute_logits(dict(held.recompute), model_path, n_threads=2), held.option_logits,
+                               rtol=0, atol=1e-4)
+
+
+def test_semif_marks_the_abstain_option_by_id_or_by_the_policy_fallback(client, fresh):
+    options = BODY["decision"]["options"] + [{"id": ESCAPE.key, "description": ESCAPE.description}]
+    decision = {**BODY["decision"], "options": options}
+    marked = client.post("/v1/semif", json={"decision": {**decision, "abstain_option": ESCAPE.key}, "debias": "content_free"})
+    assert marked.status_code == 200, marked.text
+    assert marked.json()["prompt"]["content_free"]["abstain_kept"] == ESCAPE.key
+    by_fallback = client.post("/v1/semif", json={"decision": decision, "debias": "content_free",
+                                                 "policy": {"min_probability": 0.5, "fallback": ESCAPE.key}})
+    assert by_fallback.status_code == 200, by_fallback.text
+    assert by_fallback.json()["prompt"]["content_free"]["abstain_kept"] == ESCAPE.key
+    assert by_fallback.json()["probabilities"] == marked.json()["probabilities"]
+    # A fallback that is not an option ("escalate") marks nothing.
+    other = client.post("/v1/semif", json={"decision": decision, "debias": "content_free",
+                                           "policy": {"min_probability": 0.5, "fallback": "escalate"}})
+    assert "abstain_kept" not in other.json()["prompt"]["content_free"]
+    assert other.json()["probabilities"] != marked.json()["probabilities"]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"decision": {**BODY["decision"], "abstain_option": "unknown"}}, "decision.abstain_option"),
+    ({"state": STATES[0], "decisions": [{k: v for k, v in BODY["decision"].items() if k != "state"} | {"abstain_option": "nope"}]},
+     "decisions[0].abstain_option"),
+])
+def test_an_abstain_option_that_is_not_an_option_is_a_422_naming_the_field(client, body, field):
+    response = client.post("/v1/semif", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == field
+
+
+def test_semif_eval_scores_a_labeled_rows_abstain_option_as_marked(fresh):
+    """A labeled row's `abstain_option` (data/README.md) reaches the engine as the caller's abstain option."""
+    from semif.tools.evaluate import InProcessTarget
+
+    row = {"id": "r", "state": STATES[2], "question": ROUTE.text, "answer": ESCAPE.key,
+           "options": [{"id": o.key, "description": o.description} for o in ROUTE_OR_ASK.outcomes]}
+    target = InProcessTarget(fresh)
+    plain = target.decide(row, "label", debias="content_free")
+    start_cold(fresh)
+    marked = target.decide({**row, "abstain_option": ESCAPE.key}, "label", debias="content_free")
+    start_cold(fresh)
+    direct = fresh.score(STATES[2], [ROUTE_OR_ASK], debias="content_free").distributions[0]
+    assert marked.probabilities == direct.probabilities
+    assert marked.probabilities != plain.probabilities

@@ -120,8 +120,12 @@ class SemIfClient:
 
     def decide(self, state: str, question: str, options: Options, *, id: str = "decision", scoring: Optional[str] = None,
                policy: Optional[Mapping[str, Any]] = None, return_prompt: bool = False, layout: Optional[str] = None,
-               debias: Optional[str] = None) -> SemIfResult:
+               debias: Optional[str] = None, abstain_option: Optional[str] = None) -> SemIfResult:
+        """One decision. ``abstain_option``: the option id that escapes a forced choice (debias "content_free"
+        keeps its content-free share)."""
         body: dict[str, Any] = {"decision": {"id": id, "state": state, "question": question, "options": normalize_options(options)}}
+        if abstain_option is not None:
+            body["decision"]["abstain_option"] = abstain_option
         if scoring:
             body["scoring"] = scoring
         if layout:

@@ -7,7 +7,8 @@
         --out s3://bucket/reports/staging/ \
         --baseline s3://bucket/reports/prod/report.json --limits limits.json      # the release gate
 
-Each line: {"id", "category", "state", "question", "options": [{"id", "description"}], "answer"}
+Each line: {"id", "category", "state", "question", "options": [{"id", "description"}], "answer"}, and optionally
+"abstain_option" (the option id that escapes a forced choice: debias "content_free" keeps its content-free share)
 (optional "decision_id": the key calibration groups by; default: the category).
 
 Reports validity, accuracy (overall, per category), the top confusions, client-side latency, tokens,
@@ -202,7 +203,10 @@ class InProcessTarget:
                debias: Optional[str] = None) -> CaseOutcome:
         from ..serving.engine.context import EngineError
 
-        question = Question(row["question"], tuple(Outcome(k, d) for k, d in option_pairs(row)), kind="choice")
+        pairs = option_pairs(row)
+        escape = row.get("abstain_option")
+        question = Question(row["question"], tuple(Outcome(k, d) for k, d in pairs), kind="choice",
+                            abstain=[k for k, _ in pairs].index(escape) if escape in [k for k, _ in pairs] else None)
         started = time.perf_counter()
         try:
             result = self.engine.score(row["state"] if state is None else state, [question], scoring=scoring, layout=layout,
@@ -267,7 +271,8 @@ class RemoteTarget:
         started = time.perf_counter()
         try:
             result = self.client.decide(row["state"] if state is None else state, row["question"], row["options"],
-                                        id=decision_key(row), scoring=scoring, layout=layout, debias=debias)
+                                        id=decision_key(row), scoring=scoring, layout=layout, debias=debias,
+                                        abstain_option=row.get("abstain_option"))
         except SemIfError as exc:
             return CaseOutcome(latency_ms=(time.perf_counter() - started) * 1000, error=f"{exc.status} {exc.code}", attempts=exc.attempts)
         except Exception as exc:  # connection errors after every retry

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..engine.context import ScoreResult
 from ..engine.prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
@@ -51,6 +51,17 @@ class DecisionQuestion(_Strict):
     question: str = Field(min_length=1, max_length=8000)
     options: list[Option] = Field(min_length=2)
     scoring: Optional[Literal["label", "sequence"]] = None
+    # The option that escapes a forced choice ("needs_more_info", "none_of_these"): debias "content_free"
+    # keeps its content-free share instead of dividing it out (engine/context.py content_free_shift).
+    abstain_option: Optional[str] = Field(default=None, min_length=1, max_length=256)
+
+    @field_validator("abstain_option")
+    @classmethod
+    def _abstain_is_an_option(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
+        options = info.data.get("options")  # absent when the options themselves failed: that error is reported
+        if value is not None and options is not None and value not in {o.id for o in options}:
+            raise ValueError(f"{excerpt(value)!r} is not one of the options' ids")
+        return value
 
     @field_validator("question")
     @classmethod
@@ -143,11 +154,16 @@ def _check_limits(decisions: list[DecisionQuestion], limits: Limits, prefix: str
             )
 
 
-def _question(decision: DecisionQuestion) -> Question:
+def _question(decision: DecisionQuestion, fallback: Optional[str] = None) -> Question:
+    """The engine's question. Its abstain option: the one the decision marks, else the policy's fallback when
+    that names one of the decision's options (a fallback is where the caller goes when the answer is unsure)."""
+    ids = [o.id for o in decision.options]
+    escape = decision.abstain_option if decision.abstain_option is not None else fallback
     return Question(
         text=decision.question,
         outcomes=tuple(Outcome(o.id, o.description) for o in decision.options),
         kind="choice",
+        abstain=ids.index(escape) if escape in ids else None,
     )
 
 
@@ -196,8 +212,12 @@ def parse(body: Any, limits: Limits) -> Job:
             }
             prompt["debias"] = dist.debias
             if getattr(dist, "content_free", None) is not None:
-                # The prior divided out and the raw answer it was divided out of (debias "content_free").
-                prompt["content_free"] = dist.content_free
+                # The prior divided out and the raw answer it was divided out of (debias "content_free"); the
+                # abstain option whose content-free share was kept, by its id.
+                content_free = dict(dist.content_free)
+                if content_free.get("abstain_kept") is not None:
+                    content_free["abstain_kept"] = decision.options[content_free["abstain_kept"]].id
+                prompt["content_free"] = content_free
             if getattr(dist, "temperature", None) is not None:
                 prompt["temperature"] = dist.temperature  # the native model's own, applied to the logits
             if request.return_prompt:
@@ -259,7 +279,7 @@ def parse(body: Any, limits: Limits) -> Job:
 
     job = Job(
         state_text=state,
-        questions=[_question(d) for d in decisions],
+        questions=[_question(d, request.policy.fallback if request.policy is not None else None) for d in decisions],
         render=render,
         scoring=scoring,
         return_prompt=request.return_prompt,

@@ -102,6 +102,8 @@ class _Priors(NamedTuple):
     # Leading prefix tokens the answer shares with the content-free prompt (the template head) that this
     # request's pass decoded, not an earlier request: the answer reused them, but they were not "cached".
     fresh_shared: int = 0
+    # Per question, the index of the option its caller marked as the abstain option (kept: _apply_prior).
+    abstain: tuple[Optional[int], ...] = ()
 
 
 def _log_softmax(logits: Sequence[float]) -> list[float]:
@@ -109,10 +111,17 @@ def _log_softmax(logits: Sequence[float]) -> list[float]:
     return (values - _logsumexp(values)).tolist()
 
 
+def _abstain_indices(plan: PromptPlan) -> tuple[Optional[int], ...]:
+    """Each question's abstain option (an index in the given order), as its caller marked it, or None."""
+    return tuple(q.question.abstain for q in plan.questions)
+
+
 def _with_priors(distributions: list[Distribution], priors: _Priors) -> list[Distribution]:
     """Each answer with its prior divided out. The first answer reused the template head that this request's
     content-free pass decoded: its record counts those tokens as evaluated, as a cold answer's does."""
-    out = [_apply_prior(d, p, h, e) for d, p, h, e in zip(distributions, priors.priors, priors.held, priors.per_question)]
+    abstain = priors.abstain or (None,) * len(distributions)
+    out = [_apply_prior(d, p, h, e, a)
+           for d, p, h, e, a in zip(distributions, priors.priors, priors.held, priors.per_question, abstain)]
     first_pass = next((i for i, held in enumerate(priors.held) if not held), None)
     if out and priors.fresh_shared and first_pass is not None and out[0].evaluated_tokens > 0:  # not a memo answer
         # Moved, not added: from the first answer's reused tokens to its evaluated ones, and out of the
@@ -124,22 +133,51 @@ def _with_priors(distributions: list[Distribution], priors: _Priors) -> list[Dis
     return out
 
 
-def _apply_prior(dist: Distribution, prior: Sequence[float], held: bool, evaluated: int = 0) -> Distribution:
-    """Contextual calibration: the raw logits less the content-free log-prior (each probability divided by
-    the option's content-free probability, renormalised). The raw answer stays in ``content_free``."""
+def content_free_shift(prior: Sequence[float], abstain: Optional[int] = None) -> np.ndarray:
+    """What content-free calibration subtracts from each raw logit.
+
+    Without an abstain option: the content-free log-prior, so that each probability is divided by the option's
+    content-free probability (renormalised) and the content-free state itself answers uniformly. A prior below
+    CONTENT_FREE_FLOOR counts as the floor: an option the model all but rules out when the state says nothing
+    is not made a near-certainty by dividing by almost zero.
+
+    With the caller's abstain option (``abstain``, an index): a content-free state is itself a reason to
+    abstain, so that option keeps its content-free share, and only the bias among the other options is divided
+    out: on the content-free state the answer is the abstain option's content-free probability, the rest shared
+    equally among the others. The abstain option's logit is not shifted; the others are shifted by their log-prior
+    less log((1 - p_abstain) / (n - 1)). Measured on labeled decisions: docs/benchmarks.md, "Calibration and
+    abstention"."""
+    log_prior = np.asarray(prior, dtype=np.float64)
+    shift = np.maximum(log_prior, CONTENT_FREE_FLOOR)
+    n = len(shift)
+    if abstain is None or n < 2:
+        return shift
+    probabilities = np.exp(log_prior - _logsumexp(log_prior))
+    rest = max(1.0 - float(probabilities[abstain]), math.exp(CONTENT_FREE_FLOOR))
+    shift = shift - math.log(rest / (n - 1))
+    shift[abstain] = 0.0
+    return shift
+
+
+def _apply_prior(dist: Distribution, prior: Sequence[float], held: bool, evaluated: int = 0,
+                 abstain: Optional[int] = None) -> Distribution:
+    """Contextual calibration: the raw logits less content_free_shift (each probability divided by the
+    option's content-free probability, renormalised; the caller's abstain option keeps its content-free share).
+    The raw answer stays in ``content_free``."""
     raw = list(dist.option_logits)
-    # A prior below CONTENT_FREE_FLOOR counts as the floor: an option the model all but rules out when the
-    # state says nothing is not made a near-certainty by dividing by almost zero. An option the answer
-    # itself rules out stays ruled out (probability exactly 0), whatever its prior.
-    shifted = np.asarray(raw, dtype=np.float64) - np.maximum(np.asarray(prior, dtype=np.float64), CONTENT_FREE_FLOOR)
+    # An option the answer itself rules out stays ruled out (probability exactly 0), whatever its prior.
+    applied = content_free_shift(prior, abstain)
+    shifted = np.asarray(raw, dtype=np.float64) - applied
     dist.option_logits = [RULED_OUT_LOGIT if r <= RULED_OUT_LOGIT else float(v) for r, v in zip(raw, shifted)]
     dist.content_free = {"state": CONTENT_FREE_STATE, "prior": softmax(prior), "held": held,
                          "evaluated_tokens": evaluated, "option_logits": raw, "probabilities": dist.probabilities}
+    if abstain is not None:
+        dist.content_free["abstain_kept"] = abstain
     dist.probabilities = softmax(dist.option_logits)
     dist.debias = "content_free"
     if dist.recompute is not None:
         # The raw logits are recomputed from the segments; the prior, as applied, is subtracted from them.
-        dist.recompute = dict(dist.recompute, content_free_log_prior=np.maximum(prior, CONTENT_FREE_FLOOR).tolist())
+        dist.recompute = dict(dist.recompute, content_free_log_prior=applied.tolist())
     return dist
 
 
@@ -1134,7 +1172,7 @@ class Engine:
                 self._content_free.move_to_end(key)
         missing = [i for i, prior in enumerate(priors) if prior is None]
         if not missing:
-            return _Priors(priors, [True] * len(keys), 0, [0] * len(keys))
+            return _Priors(priors, [True] * len(keys), 0, [0] * len(keys), abstain=_abstain_indices(plan))
         # Only the questions whose prior is not held, each distinct one once, from the content-free prefix
         # (evaluated once for them): what the plan's budget counted.
         first_of: dict[bytes, int] = {}
@@ -1161,7 +1199,8 @@ class Engine:
                 break
             shared += len(mine)
         fresh = max(0, shared - result.state_cached_tokens)
-        return _Priors(priors, [i not in missing for i in range(len(keys))], result.evaluated_tokens, evaluated, fresh)
+        return _Priors(priors, [i not in missing for i in range(len(keys))], result.evaluated_tokens, evaluated, fresh,
+                       abstain=_abstain_indices(plan))
 
     def content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]] = None) -> "_Priors":
         """The plan's content-free priors (held, or evaluated now on the serial path) for a caller that holds
