@@ -643,3 +643,19 @@ def test_semif_eval_scores_a_labeled_rows_abstain_option_as_marked(fresh):
     direct = fresh.score(STATES[2], [ROUTE_OR_ASK], debias="content_free").distributions[0]
     assert marked.probabilities == direct.probabilities
     assert marked.probabilities != plain.probabilities
+
+
+def test_over_the_budget_with_the_reversed_order_the_field_named_is_debias(fresh):
+    """debias "reverse" counts each question in both orders; a request that fits in one order only is refused
+    naming what pushed it over, never answered in one order."""
+    engine = fresh
+    plain = engine.plan(STATES[0], [ROUTE], debias="none").worst_case_tokens
+    both = engine.plan(STATES[0], [ROUTE], debias="reverse").worst_case_tokens
+    assert plain < both
+    for asked, budget, field in [(dict(debias="reverse"), both - 1, "debias"),
+                                 (dict(default_debias="reverse"), both - 1, "decisions"),
+                                 (dict(debias="reverse"), plain - 1, "decisions")]:
+        with pytest.raises(TokenBudgetExceeded) as over:
+            engine.plan(STATES[0], [ROUTE], max_request_tokens=budget, budget_field="decisions", **asked)
+        assert over.value.field == field, (asked, budget)
+    engine.plan(STATES[0], [ROUTE], debias="reverse", max_request_tokens=both, budget_field="decisions")

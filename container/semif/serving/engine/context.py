@@ -669,6 +669,24 @@ class Engine:
             layout=layout, layout_field=layout_field, end_of_turn_token=self.end_of_turn_token,
             injection_check_field=injection_check_field, partial_rewind=self.partial_rewind,
         )
+        if debias == "reverse":
+            try:
+                return build_plan(**common, state_text=state_text, state_field=state_field,
+                                  max_request_tokens=max_request_tokens, return_prompt=return_prompt,
+                                  injection_check=injection_check, debias=debias)
+            except TokenBudgetExceeded as over:
+                if over.field != budget_field:
+                    raise  # the injection checks pushed it over: named as such
+                # Over the budget with the reversed order: refused naming what pushed it over when the questions
+                # alone fit (never answered in one order only).
+                alone = build_plan(**common, state_text=state_text, state_field=state_field, max_request_tokens=None,
+                                   return_prompt=False, injection_check=False, debias="none")
+                if alone.worst_case_tokens <= max_request_tokens:
+                    blamed = TokenBudgetExceeded(over.tokens, over.budget, field=budget_field if by_default else "debias")
+                    blamed.args = (f"{over}; with debias 'reverse'{' (the server default)' if by_default else ''} that "
+                                   "counts each question in both option orders: send debias 'none' to leave it out",)
+                    raise blamed from None
+                raise
         if debias != "content_free":
             return build_plan(**common, state_text=state_text, state_field=state_field,
                               max_request_tokens=max_request_tokens, return_prompt=return_prompt,
