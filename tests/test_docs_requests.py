@@ -23,6 +23,11 @@ What counts as a request, block by block (docs/how-to/*.md, and docs/reference/a
   create and nothing else; its raw ```http request is the one botocore signs and sends for those parameters, and the
   adapter answers its body 200; its Python example that acts on an answer takes each path it documents (accept,
   fallback, a 503 after the client's backoff, a ModelError 4xx and 5xx) against a stubbed `invoke_endpoint`.
+- The calling guide's chat example (a ```python block with `generate_token` and `openai`) runs as written: moto
+  answers SSM (`/semif/prod/text/endpoint-name`, `/semif/prod/text/client-role-arn`), IAM and STS; a stand-in
+  `sagemaker.core.token_generator` checks that the token is minted from the assumed role's credentials for at most
+  12 h; `openai`'s HTTP client is answered locally, on SageMaker's `/endpoints/<chat endpoint>/openai/v1` route with
+  that bearer token only, and the snippet prints the answer.
 - A ```javascript block that imports `@aws-sdk/client-sagemaker-runtime` runs under Node with a stand-in for that
   module that answers `InvokeEndpointCommand` from the local adapter (a refusal throws `ModelError`, as the SDK does);
   it must call a decision endpoint the stacks create, in its region, and exit 0.
@@ -776,6 +781,128 @@ def test_the_python_example_acts_on_action_fallback_503_model_error_and_sagemake
         with pytest.raises(RuntimeError, match=f"fix the app's AWS setup: {refusal[1]}: ") as caught:
             route(client, ticket)
         assert not isinstance(caught.value, ValueError), "a SageMaker refusal landed in the fix-the-request branch"
+
+
+# ---------------------------------------------------------------- the chat example: openai client, bearer token
+
+
+def openai_chat_snippet() -> tuple[str, str]:
+    """The calling guide's Python block that mints a bearer token and calls chat completions with `openai`."""
+    (snippet,) = [(where, code) for where, code in python_blocks(CALL_GUIDE)
+                  if "generate_token" in code and "from openai import" in code]
+    return snippet
+
+
+def test_the_openai_chat_snippet_reads_ssm_assumes_the_client_role_and_sends_its_token_to_the_chat_route(
+        aws_offline, monkeypatch, capsys):
+    """Runs the guide's snippet as written: moto answers SSM (the text stack's parameters), IAM and STS; a stand-in
+    `sagemaker.core.token_generator.generate_token` (sagemaker-core cannot share this venv: rich<15) checks that it
+    mints from the assumed role's credentials; `openai`'s HTTP client is answered by an httpx MockTransport that
+    checks SageMaker's OpenAI-compatible route, the bearer token and the body."""
+    import sys
+    import types
+    from datetime import timedelta
+
+    import boto3
+    import boto3.session
+    import openai._base_client as openai_base
+    from moto import mock_aws
+
+    where, code = openai_chat_snippet()
+    (endpoint, prod_chat), = [(name, w) for name, w in stack_endpoints().items()
+                              if (w["env"], w["kind"]) == ("prod", "text")]
+    region = prod_chat["region"]
+    token = "fake-bearer-token-from-the-stand-in"
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+
+    # What STS answered AssumeRole (botocore's own after-call hook, on every client the snippet makes).
+    assumed: list[dict] = []
+    real_client = boto3.session.Session.client
+
+    def client(session, *args, **kwargs):
+        made = real_client(session, *args, **kwargs)
+        made.meta.events.register("after-call.sts.AssumeRole", lambda parsed, **_: assumed.append(parsed))
+        return made
+
+    monkeypatch.setattr(boto3.session.Session, "client", client)
+
+    # sagemaker.core.token_generator.generate_token: checks what it is given, returns a fake token.
+    minted: list[dict] = []
+
+    def generate_token(region=None, aws_credentials_provider=None, expiry=timedelta(hours=12)):
+        credentials = aws_credentials_provider.load()
+        assert assumed, "generate_token was called before the snippet assumed the client role"
+        issued = assumed[-1]["Credentials"]
+        assert (credentials.access_key, credentials.secret_key, credentials.token) == (
+            issued["AccessKeyId"], issued["SecretAccessKey"], issued["SessionToken"]), \
+            "the token is not minted from the assumed role's credentials"
+        assert region == prod_chat["region"], region
+        assert isinstance(expiry, timedelta) and timedelta(0) < expiry <= timedelta(hours=12), expiry
+        minted.append({"region": region, "access_key": credentials.access_key, "expiry": expiry})
+        return token
+
+    token_generator = types.ModuleType("sagemaker.core.token_generator")
+    token_generator.generate_token = generate_token
+    core = types.ModuleType("sagemaker.core")
+    core.token_generator = token_generator
+    sagemaker = types.ModuleType("sagemaker")
+    sagemaker.core = core
+    for module in (sagemaker, core, token_generator):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    # openai's default HTTP client, answered locally: a mismatch is a 400 whose message says what differs.
+    http = getattr(openai_base, "httpx2", None) or openai_base.httpx  # the httpx module this openai is built on
+    expected_url = f"https://runtime.sagemaker.{region}.amazonaws.com/endpoints/{endpoint}/openai/v1/chat/completions"
+    sent: list[dict] = []
+
+    def handler(request):
+        body = json.loads(request.content or b"null")
+        sent.append({"method": request.method, "url": str(request.url),
+                     "authorization": request.headers.get("authorization"), "body": body})
+        messages = body.get("messages") if isinstance(body, dict) else None
+        problems = [f"{what}: {got!r} (expected {want!r})" for what, got, want in [
+            ("method", request.method, "POST"), ("url", str(request.url), expected_url),
+            ("authorization", request.headers.get("authorization"), f"Bearer {token}")] if got != want]
+        if not (isinstance(messages, list) and messages and messages[-1].get("role") == "user"
+                and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                        and isinstance(m.get("content"), str) and m["content"] for m in messages)):
+            problems.append(f"messages: {messages!r} (expected chat messages ending with the user's)")
+        if problems:
+            return http.Response(400, json={"error": {"message": "; ".join(problems), "type": "invalid_request_error"}})
+        return http.Response(200, json={
+            "id": "chatcmpl-semif", "object": "chat.completion", "created": 1767225600, "model": body.get("model", ""),
+            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                         "message": {"role": "assistant", "content": "hello"}}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}})
+
+    class LocalHttpClient(openai_base.SyncHttpxClientWrapper):
+        def __init__(self, **kwargs):
+            kwargs["transport"] = http.MockTransport(handler)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(openai_base, "SyncHttpxClientWrapper", LocalHttpClient)
+
+    with mock_aws():
+        iam = boto3.client("iam", region_name=region)
+        trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                         "Principal": {"AWS": "arn:aws:iam::123456789012:root"}}]}
+        role_arn = iam.create_role(RoleName="semif-prod-chat-client", AssumeRolePolicyDocument=json.dumps(trust),
+                                   MaxSessionDuration=3600)["Role"]["Arn"]
+        ssm = boto3.client("ssm", region_name=region)  # the text stack's outputs (stacks/text_stack.py)
+        ssm.put_parameter(Name="/semif/prod/text/endpoint-name", Value=endpoint, Type="String")
+        ssm.put_parameter(Name="/semif/prod/text/client-role-arn", Value=role_arn, Type="String")
+        assumed.clear()
+        capsys.readouterr()
+        exec(compile(code, where, "exec"), {"__name__": "snippet"})
+        printed = capsys.readouterr().out
+
+    assert [a["AssumedRoleUser"]["Arn"].split("/")[1] for a in assumed] == ["semif-prod-chat-client"], assumed
+    assert len(minted) == 1 and minted[0]["access_key"] == assumed[0]["Credentials"]["AccessKeyId"], minted
+    assert [(s["method"], s["url"], s["authorization"]) for s in sent] == [(
+        "POST", expected_url, f"Bearer {token}")], sent
+    assert printed.strip() == "hello", printed
+    assert token not in printed, "the snippet printed the bearer token"
 
 
 # ---------------------------------------------------------------- names in every call form
