@@ -41,9 +41,6 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "container"))
 
-FLOOR = math.log(1e-4)  # as engine/context.py CONTENT_FREE_FLOOR
-
-
 def group(row: dict, once: set[str]) -> str:
     if row.get("abstain_option") and row["answer"] == row["abstain_option"]:
         return "abstain_answer"
@@ -75,24 +72,14 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def variants(rec: dict, offsets: dict[int, np.ndarray] | None) -> dict[str, np.ndarray]:
+    from semif.serving.engine.context import content_free_shift  # what the adapter subtracts, abstain kept or not
+
     raw = np.asarray(rec["raw_logits"], dtype=np.float64)
-    prior = np.maximum(np.asarray(rec["log_prior"], dtype=np.float64), FLOOR)
-    n = len(raw)
     a = rec["abstain_index"]
-    out = {"none": raw, "content_free": raw - prior}
-    if a is not None:
-        # Among the regular options the prior is divided out as usual, and together they keep the share the
-        # content-free answer left them; the abstain option keeps its content-free probability.
-        p = np.exp(np.asarray(rec["log_prior"]))
-        p = p / p.sum()
-        rest = max(1.0 - p[a], 1e-6)
-        kept = raw - prior + math.log(rest / (n - 1))
-        kept[a] = raw[a]
-        out["content_free_keep_abstain"] = kept
-    else:
-        out["content_free_keep_abstain"] = out["content_free"]
-    if offsets is not None and n in offsets:
-        off = offsets[n]
+    out = {"none": raw, "content_free": raw - content_free_shift(rec["log_prior"]),
+           "content_free_keep_abstain": raw - content_free_shift(rec["log_prior"], a)}
+    if offsets is not None and len(raw) in offsets:
+        off = offsets[len(raw)]
         out["position"] = raw - off
         pk = raw - off
         if a is not None:
