@@ -204,9 +204,10 @@ class InProcessTarget:
         from ..serving.engine.context import EngineError
 
         pairs = option_pairs(row)
+        ids = [k for k, _ in pairs]
         escape = row.get("abstain_option")
         question = Question(row["question"], tuple(Outcome(k, d) for k, d in pairs), kind="choice",
-                            abstain=[k for k, _ in pairs].index(escape) if escape in [k for k, _ in pairs] else None)
+                            abstain=ids.index(escape) if escape in ids else None)
         started = time.perf_counter()
         try:
             result = self.engine.score(row["state"] if state is None else state, [question], scoring=scoring, layout=layout,
