@@ -182,7 +182,8 @@ def test_python_dash_m_semif_gives_the_same_message():
 
 def test_the_serve_check_covers_every_distribution_of_the_serve_extra():
     """A distribution added to the extra without its import name in the check would bring the traceback back."""
-    from semif.__main__ import SERVING_MODULES as CHECKED
+    from semif.__main__ import EXTRA_MODULES
+    CHECKED = EXTRA_MODULES["serve"]
 
     provided_by = importlib.metadata.packages_distributions()
     covered = {canonicalize_name(d) for module in CHECKED for d in provided_by.get(module, [])}
@@ -234,7 +235,8 @@ print(json.dumps(outcomes))
 
 
 def test_the_tools_check_covers_every_distribution_of_the_tools_extra():
-    from semif.__main__ import TOOLS_MODULES as CHECKED
+    from semif.__main__ import EXTRA_MODULES
+    CHECKED = EXTRA_MODULES["tools"]
 
     assert set(CHECKED) == set(TOOLS_MODULES)  # what the tests above block is what the check looks for
     provided_by = importlib.metadata.packages_distributions()

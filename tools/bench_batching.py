@@ -62,7 +62,7 @@ HTTP_DRIFT_OUT = REPO / "results" / "bench-batching-drift-http.json"
 
 
 def sample_decisions(limit: int | None = None) -> list[dict]:
-    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(SAMPLE)
     return rows[:limit] if limit else rows
 
 
@@ -183,7 +183,8 @@ def drift(model: Path, args) -> dict:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # Records end at "\n" only: a state may hold U+2028, which str.splitlines() would split on.
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 def mixed_workload(limit: int, *, seed: int, multi_share: float, serial_share: float) -> list[dict]:

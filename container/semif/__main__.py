@@ -18,10 +18,7 @@ EXTRA_MODULES = {
     "tools": ("pydantic", "numpy", "jinja2", "gguf", "rich", "matplotlib"),
 }
 EXTRA_OWNERS = {"serve": "the adapter's", "tools": "the operator tools'"}
-SERVING_MODULES = EXTRA_MODULES["serve"]
-TOOLS_MODULES = EXTRA_MODULES["tools"]
 EXIT_MISSING_DEPENDENCIES = 7
-EXIT_MISSING_SERVING_DEPENDENCIES = EXIT_MISSING_DEPENDENCIES
 
 
 def missing_modules(names: Sequence[str]) -> list[str]:
@@ -34,10 +31,6 @@ def missing_modules(names: Sequence[str]) -> list[str]:
         if not found:
             missing.append(name)
     return missing
-
-
-def missing_serving_modules() -> list[str]:
-    return missing_modules(SERVING_MODULES)
 
 
 def command_needing(command: str, target: str, extras: Sequence[str] = ("tools",)) -> Callable[..., int]:

@@ -125,13 +125,6 @@ class Job:
     second_look_field: str = "second_look"
 
 
-def highest_injection_suspected(result: ScoreResult) -> Optional[float]:
-    """A request-level injection_suspected where a contract reports one: the highest of its answers' own values
-    (each answer's check reads the state after that answer's question alone), or None when no check ran."""
-    values = [d.injection_suspected for d in result.distributions if getattr(d, "injection_suspected", None) is not None]
-    return max(values) if values else None
-
-
 def resolve_layout(job: Job, default: str) -> str:
     """The layout a request runs. Options-first applies to single-question requests: a request that asks
     for it with several questions is refused (422 naming the layout field: the client asked for something

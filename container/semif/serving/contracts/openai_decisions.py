@@ -15,7 +15,7 @@ from typing import Any, Optional
 from ..engine.context import Distribution, ScoreResult
 from ..engine.prompt import Outcome, Question, options_sha256
 from .base import (DEBIAS_VALUES, Job, JsonTextBudget, Limits, RequestError, RunContext, excerpt,
-                   highest_injection_suspected, option_description_problem, option_id_problem)
+                   option_description_problem, option_id_problem)
 
 NAME = "openai_decisions"
 # Answered besides the served model's name (app.py checks): the one model the SDK documents.
@@ -258,7 +258,7 @@ def parse(body: Any, limits: Limits) -> Job:
 
     def render(result: ScoreResult, run: RunContext) -> dict:
         cached = result.cached_tokens
-        injection_suspected = highest_injection_suspected(result)  # of the answers' own x_injection_suspected
+        injection_suspected = result.injection_suspected  # the highest of the answers' own x_injection_suspected
         echoed = {"id": record_id} if record_id is not None else {}
         calibrations = ([getattr(d, "calibration", None) for d in result.distributions]
                         if any(getattr(d, "calibration", None) is not None for d in result.distributions) else None)

@@ -17,8 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from ..engine.context import Distribution, ScoreResult
 from ..engine.prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
 from .base import (MAX_ECHO, Job, JsonTextBudget, Limits, RequestError, RunContext, SecondLookSpec, excerpt,
-                   highest_injection_suspected, option_description_problem,
-                   option_id_problem)
+                   option_description_problem, option_id_problem)
 
 NAME = "systemone"
 MODEL_ALIAS = "jev-latest"  # the official SDKs' default model name
@@ -283,7 +282,7 @@ def parse(body: Any, limits: Limits) -> Job:
                 "template_version": getattr(result, "template_version", None) or info.get("template_version") or TEMPLATE_VERSION,
                 "layout": getattr(result, "layout", "state_first"),
                 # The highest of the answers' own x_injection_suspected (null when the check did not run).
-                "injection_suspected": highest_injection_suspected(result),
+                "injection_suspected": result.injection_suspected,
                 "template_sha256": info.get("template_sha256"),
                 "image_digest": run.image_digest,
                 "base_image_digest": info.get("base_image_digest"),

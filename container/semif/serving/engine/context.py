@@ -99,11 +99,11 @@ class _Priors(NamedTuple):
     held: list[bool]
     evaluated_tokens: int
     per_question: list[int]  # of those, each question's (its content-free suffix, the prefix with the first)
+    # Per question, the index of the option its caller marked as the abstain option (kept: _apply_prior).
+    abstain: tuple[Optional[int], ...]
     # Leading prefix tokens the answer shares with the content-free prompt (the template head) that this
     # request's pass decoded, not an earlier request: the answer reused them, but they were not "cached".
     fresh_shared: int = 0
-    # Per question, the index of the option its caller marked as the abstain option (kept: _apply_prior).
-    abstain: tuple[Optional[int], ...] = ()
 
 
 def _log_softmax(logits: Sequence[float]) -> list[float]:
@@ -119,9 +119,8 @@ def _abstain_indices(plan: PromptPlan) -> tuple[Optional[int], ...]:
 def _with_priors(distributions: list[Distribution], priors: _Priors) -> list[Distribution]:
     """Each answer with its prior divided out. The first answer reused the template head that this request's
     content-free pass decoded: its record counts those tokens as evaluated, as a cold answer's does."""
-    abstain = priors.abstain or (None,) * len(distributions)
     out = [_apply_prior(d, p, h, e, a)
-           for d, p, h, e, a in zip(distributions, priors.priors, priors.held, priors.per_question, abstain)]
+           for d, p, h, e, a in zip(distributions, priors.priors, priors.held, priors.per_question, priors.abstain)]
     first_pass = next((i for i, held in enumerate(priors.held) if not held), None)
     if out and priors.fresh_shared and first_pass is not None and out[0].evaluated_tokens > 0:  # not a memo answer
         # Moved, not added: from the first answer's reused tokens to its evaluated ones, and out of the
@@ -152,8 +151,7 @@ def content_free_shift(prior: Sequence[float], abstain: Optional[int] = None) ->
     n = len(shift)
     if abstain is None or n < 2:
         return shift
-    probabilities = np.exp(log_prior - _logsumexp(log_prior))
-    rest = max(1.0 - float(probabilities[abstain]), math.exp(CONTENT_FREE_FLOOR))
+    rest = max(1.0 - softmax(prior)[abstain], math.exp(CONTENT_FREE_FLOOR))
     shift = shift - math.log(rest / (n - 1))
     shift[abstain] = 0.0
     return shift
@@ -1190,7 +1188,7 @@ class Engine:
                 self._content_free.move_to_end(key)
         missing = [i for i, prior in enumerate(priors) if prior is None]
         if not missing:
-            return _Priors(priors, [True] * len(keys), 0, [0] * len(keys), abstain=_abstain_indices(plan))
+            return _Priors(priors, [True] * len(keys), 0, [0] * len(keys), _abstain_indices(plan))
         # Only the questions whose prior is not held, each distinct one once, from the content-free prefix
         # (evaluated once for them): what the plan's budget counted.
         first_of: dict[bytes, int] = {}
@@ -1217,8 +1215,8 @@ class Engine:
                 break
             shared += len(mine)
         fresh = max(0, shared - result.state_cached_tokens)
-        return _Priors(priors, [i not in missing for i in range(len(keys))], result.evaluated_tokens, evaluated, fresh,
-                       abstain=_abstain_indices(plan))
+        return _Priors(priors, [i not in missing for i in range(len(keys))], result.evaluated_tokens, evaluated,
+                       _abstain_indices(plan), fresh)
 
     def content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]] = None) -> "_Priors":
         """The plan's content-free priors (held, or evaluated now on the serial path) for a caller that holds
