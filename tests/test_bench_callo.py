@@ -52,6 +52,53 @@ def test_both_directions_send_the_same_question_with_the_options_reversed(tool):
     assert q_rev["criteria"] == q_fwd["criteria"] == {"hardware": "Laptops", "network": "VPN, Wi-Fi", "hr": None}
 
 
+def test_the_adapters_body_marks_the_rows_abstain_option_and_callos_never_does(tool):
+    row = {**ROW, "options": ROW["options"] + [{"id": "needs_more_info", "description": "Says too little"}],
+           "abstain_option": "needs_more_info"}
+    for reverse in (False, True):
+        bodies = tool.side_bodies(row, reverse, abstain_marks=True)
+        adapter, callo = bodies["adapter"]["questions"]["decision"], bodies["callo"]["questions"]["decision"]
+        assert adapter.pop("x_abstain_option") == "needs_more_info"
+        assert "x_abstain_option" not in callo
+        assert bodies["adapter"] == bodies["callo"] == tool.systemone_body(row, reverse)  # otherwise the same request
+    # A row without an abstain option: no mark, the same body for both sides.
+    plain = tool.side_bodies(ROW, False, abstain_marks=True)
+    assert plain["adapter"] == plain["callo"] and "x_abstain_option" not in plain["adapter"]["questions"]["decision"]
+    # --no-abstain-marks: the flag turns the marks off; both sides get the very same body.
+    assert tool.parse_args([]).abstain_marks is True
+    off = tool.parse_args(["--no-abstain-marks"]).abstain_marks
+    bodies = tool.side_bodies(row, False, abstain_marks=off)
+    assert bodies["adapter"] == bodies["callo"] and "x_abstain_option" not in bodies["adapter"]["questions"]["decision"]
+
+
+def test_the_adapters_marked_body_is_what_its_system_one_contract_takes_as_the_abstain_option(tool):
+    from semif.serving.contracts import systemone
+    from semif.serving.contracts.base import Limits
+
+    row = {**ROW, "abstain_option": "hr"}
+    for reverse, index in ((False, 2), (True, 0)):
+        job = systemone.parse(tool.side_bodies(row, reverse, abstain_marks=True)["adapter"], Limits(255, 400))
+        assert job.questions[0].abstain == index
+        assert systemone.parse(tool.side_bodies(row, reverse, abstain_marks=True)["callo"], Limits(255, 400)).questions[0].abstain is None
+
+
+def test_the_report_records_whether_abstain_marks_were_sent(tool, capsys):
+    cases = [case("network", "network", "network", "network"), case("hr", "hr", "hr", "hr")]
+    cases[0].update(abstain_option="hr", abstain_marked=True)
+    cases[1].update(abstain_option=None, abstain_marked=False)
+    assert tool.abstain_marks_record(cases, True) == {"sent": True, "rows_with_abstain_option": 1, "marked_cases": 1}
+    cases[0]["abstain_marked"] = False
+    off = tool.abstain_marks_record(cases, False)
+    assert off == {"sent": False, "rows_with_abstain_option": 1, "marked_cases": 0}
+    summary = {side: tool.side_summary(cases, side) for side in ("adapter", "callo")}
+    report = {"meta": {"model_file": "m.gguf", "threads": 2, "cases": 2, "data": "d.jsonl", "host": {"commit": "abc"},
+                       "date": "2026-12-03", "abstain_marks": off},
+              "summary": summary, "ratios": {"p50_forward": 1.0, "p50_all": 1.0, "median_per_request": 1.0},
+              "per_category": tool.group_summary(cases, "category"), "per_decision": tool.group_summary(cases, "decision_id")}
+    tool.print_report(report)
+    assert "abstain marks: not sent (--no-abstain-marks)" in capsys.readouterr().out
+
+
 def test_each_side_goes_first_equally_often_in_each_direction(tool):
     firsts = Counter((turn, tool.side_order(index, turn)[0]) for index in range(10) for turn in (0, 1))
     assert firsts == {(0, "adapter"): 5, (0, "callo"): 5, (1, "adapter"): 5, (1, "callo"): 5}

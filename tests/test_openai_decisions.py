@@ -158,6 +158,76 @@ def test_semif_fields_are_refused_naming_the_field_never_ignored(client, field, 
     assert decide(client, [PREDICATE], return_prompt=False).status_code == 200  # asks for nothing
 
 
+# ---- the abstain option (x_abstain_option) ------------------------------------------------------------
+
+VAGUE = "Hi, I have a question about my account, can someone get back to me?"
+ROUTE_OR_ASK = {"type": "choice", "name": "route", "instructions": "Which team should handle this ticket?",
+                "choices": [{"value": "billing", "description": "Payments, invoices, refunds"},
+                            {"value": "technical", "description": "Bugs, outages"},
+                            {"value": "needs_more_info", "description": "The message does not say enough to route it."}]}
+
+
+def _cold_answer(engine, client, path, body):
+    start_cold(engine)  # each answer a cold evaluation: the two contracts' answers compare exactly
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_marked_abstain_option_gives_semifs_answer_for_the_same_decision(client, engine):
+    """x_abstain_option reaches the engine as SemIf's abstain_option does: the OpenAI answer equals SemIf's
+    marked one, names the kept option by its value, and differs from the unmarked answer."""
+    body = {"model": "gpt-6-luna", "input": VAGUE, "debias": "content_free"}
+    marked = _cold_answer(engine, client, "/v1/decisions",
+                          {**body, "questions": [{**ROUTE_OR_ASK, "x_abstain_option": "needs_more_info"}]})
+    plain = _cold_answer(engine, client, "/v1/decisions", {**body, "questions": [ROUTE_OR_ASK]})
+    options = [{"id": c["value"], "description": c["description"]} for c in ROUTE_OR_ASK["choices"]]
+    semif = _cold_answer(engine, client, "/v1/semif", {
+        "decision": {"id": "route", "state": VAGUE, "question": ROUTE_OR_ASK["instructions"], "options": options,
+                     "abstain_option": "needs_more_info"}, "debias": "content_free"})
+    got = [p["probability"] for p in marked["answers"][0]["probabilities"]]
+    assert got == semif["probabilities"]
+    assert marked["x_semif"]["content_free"][0]["abstain_kept"] == "needs_more_info"
+    assert "abstain_kept" not in plain["x_semif"]["content_free"][0]
+    unmarked = [p["probability"] for p in plain["answers"][0]["probabilities"]]
+    assert abs(unmarked[2] - got[2]) > 1e-3  # unmarked, the abstain option is divided out like the others
+
+
+def test_a_marked_abstain_option_alone_asks_for_the_x_semif_record(client):
+    """A mark is an extension: the answer says which option was kept, even with the server's default debiasing."""
+    marked = decide(client, [{**ROUTE_OR_ASK, "x_abstain_option": "needs_more_info"}], input=VAGUE)
+    assert marked.status_code == 200, marked.text
+    record = marked.json()["x_semif"]
+    assert record["debias"] == Settings.debias == "content_free"  # the test server's default
+    assert record["content_free"][0]["abstain_kept"] == "needs_more_info"
+    assert "x_semif" not in decide(client, [ROUTE_OR_ASK], input=VAGUE).json()  # a plain request: OpenAI's shape
+
+
+@pytest.mark.parametrize("question, param, code", [
+    ({**ROUTE_OR_ASK, "x_abstain_option": "unknown"}, "questions[0].x_abstain_option", "invalid_request"),
+    ({**ROUTE_OR_ASK, "x_abstain_option": 2}, "questions[0].x_abstain_option", "invalid_request"),
+    ({**ROUTE_OR_ASK, "x_abstain_option": {"value": "needs_more_info"}}, "questions[0].x_abstain_option", "invalid_request"),
+    # A value is named with its JSON type: the string "true" is not the boolean choice true.
+    ({**ROUTE_OR_ASK, "choices": [{"value": True}, {"value": False}], "x_abstain_option": "true"},
+     "questions[0].x_abstain_option", "invalid_request"),
+    ({**PREDICATE, "x_abstain_option": "false"}, "questions[0].x_abstain_option", "invalid_request"),
+    ({**SCORE, "x_abstain_option": "calm"}, "questions[0].x_abstain_option", "invalid_request"),
+    ({**ROUTE_OR_ASK, "abstain_option": "needs_more_info"}, "questions[0].abstain_option", "unsupported_parameter"),
+], ids=["not-a-value", "number", "object", "string-for-boolean", "predicate", "score", "semif-spelling"])
+def test_a_bad_abstain_mark_is_a_400_naming_the_param_and_the_server_keeps_serving(client, question, param, code):
+    error = _error(decide(client, [PREDICATE, question], input=VAGUE))
+    assert error["param"] == param.replace("[0]", "[1]") and error["code"] == code
+    assert decide(client, [{**ROUTE_OR_ASK, "x_abstain_option": None}], input=VAGUE).status_code == 200  # null: absent
+
+
+def test_a_boolean_choice_is_marked_with_the_boolean(client):
+    question = {"type": "choice", "instructions": "Does the message say which team it needs?",
+                "choices": [{"value": True}, {"value": False}, {"value": "unclear"}], "x_abstain_option": False}
+    response = decide(client, [question], input=VAGUE, debias="content_free")
+    assert response.status_code == 200, response.text
+    assert response.json()["x_semif"]["content_free"][0]["abstain_kept"] is False
+
+
 @pytest.mark.parametrize("first, second", [("true", True), (False, "false"), ("a", "a")])
 def test_choices_that_the_prompt_shows_alike_are_refused_naming_the_second(client, first, second):
     error = _error(decide(client, [{**CHOICE, "choices": [{"value": first}, {"value": "other"}, {"value": second}]}]))

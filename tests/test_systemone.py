@@ -173,6 +173,58 @@ def test_jev_latest_and_the_served_name_are_answered_and_other_models_get_404(cl
     assert engine.model_path.stem in response.json()["detail"]["message"]
 
 
+# ---- the abstain option (x_abstain_option) ------------------------------------------------------------
+
+VAGUE = "Hi, I have a question about my account, can someone get back to me?"
+ROUTE_OR_ASK = {"type": "choice", "instructions": "Which team should handle this ticket?",
+                "criteria": {"billing": "Payments, invoices, refunds", "technical": "Bugs, outages",
+                             "needs_more_info": "The message does not say enough to route it."}}
+
+
+def _cold_answer(engine, client, path, body):
+    start_cold(engine)  # each answer a cold evaluation: the two contracts' answers compare exactly
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_marked_abstain_option_gives_semifs_answer_for_the_same_decision(client, engine):
+    """x_abstain_option reaches the engine as SemIf's abstain_option does: content-free calibration keeps that
+    option's content-free share, so the System One answer equals SemIf's marked one, and not the unmarked one."""
+    body = {"state": VAGUE, "debias": "content_free"}
+    marked = _cold_answer(engine, client, "/v1/systemone",
+                          {**body, "questions": {"route": {**ROUTE_OR_ASK, "x_abstain_option": "needs_more_info"}}})
+    plain = _cold_answer(engine, client, "/v1/systemone", {**body, "questions": {"route": ROUTE_OR_ASK}})
+    options = [{"id": key, "description": text} for key, text in ROUTE_OR_ASK["criteria"].items()]
+    semif = _cold_answer(engine, client, "/v1/semif", {
+        "decision": {"id": "route", "state": VAGUE, "question": ROUTE_OR_ASK["instructions"], "options": options,
+                     "abstain_option": "needs_more_info"}, "debias": "content_free"})
+    got = marked["answers"]["route"]
+    assert list(got["probabilities"].values()) == semif["probabilities"]
+    assert got["x_option_logits"] == semif["option_logits"]
+    assert marked["x_semif"]["content_free"]["route"]["abstain_kept"] == "needs_more_info"
+    assert semif["prompt"]["content_free"]["abstain_kept"] == "needs_more_info"
+    # Unmarked, the abstain option is divided out like the others: another answer (so the test can fail).
+    assert "abstain_kept" not in plain["x_semif"]["content_free"]["route"]
+    assert abs(plain["answers"]["route"]["probabilities"]["needs_more_info"] - got["probabilities"]["needs_more_info"]) > 1e-3
+    # The raw answer the prior was divided out of is the same either way: only the calibration differs.
+    assert plain["x_semif"]["content_free"]["route"]["option_logits"] == marked["x_semif"]["content_free"]["route"]["option_logits"]
+
+
+@pytest.mark.parametrize("question, loc, kind", [
+    ({**ROUTE_OR_ASK, "x_abstain_option": "unknown"}, ["x_abstain_option"], "value_error"),
+    ({**ROUTE_OR_ASK, "x_abstain_option": 2}, ["x_abstain_option"], "string_type"),
+    ({**ROUTE_OR_ASK, "x_abstain_option": ["needs_more_info"]}, ["x_abstain_option"], "string_type"),
+    ({**NOUL, "x_abstain_option": "true"}, ["x_abstain_option"], "value_error"),
+    ({**SCORE, "x_abstain_option": "Calm"}, ["x_abstain_option"], "value_error"),
+    ({**ROUTE_OR_ASK, "abstain_option": "needs_more_info"}, ["abstain_option"], "extra_forbidden"),
+], ids=["not-an-option", "number", "array", "noul", "score", "semif-spelling"])
+def test_a_bad_abstain_mark_is_a_422_naming_the_field_and_the_server_keeps_serving(client, question, loc, kind):
+    detail = _detail_list(ask(client, {"route": question}, state=VAGUE))
+    assert detail[0]["loc"] == ["body", "questions", "route", *loc] and detail[0]["type"] == kind
+    assert ask(client, {"route": {**ROUTE_OR_ASK, "x_abstain_option": None}}, state=VAGUE).status_code == 200  # null: absent
+
+
 def _detail_list(response):
     assert response.status_code == 422, response.text
     detail = response.json()["detail"]

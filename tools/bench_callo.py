@@ -6,7 +6,10 @@ System One from llama-server's next-token log-probabilities. This script install
 (.venv-callo), launches `callo serve --model M --llama-server BIN` on the llama-server that `make llama-server`
 builds from the same vendored llama.cpp as the adapter's llama-cpp-python, launches the adapter (`serve`) on the
 same GGUF with the same threads, and sends every labeled decision to both as the same System One `choice`
-request, alternating which side goes first; then again with the options in reverse order.
+request, alternating which side goes first; then again with the options in reverse order. Where a labeled row
+names its abstain option (`abstain_option`, data/README.md), the adapter's request marks it as an application
+would (System One's `x_abstain_option`), so that its content-free calibration keeps that option's share; callo's
+request is the same without the mark (it has no such field). --no-abstain-marks sends both the same request.
 
 It reports, per side: accuracy (options as written, and reversed), order stability (the same option chosen
 both ways), the accuracy of the mean of both orders' probabilities (what order debiasing would give),
@@ -23,6 +26,7 @@ counts the adapter's second looks and both sides' generated tokens.
 usage: python tools/bench_callo.py --model GGUF [--data FILE] [--limit N] [--threads N] [--out JSON]
                                   [--llama-server BIN] [--callo-arg ARG]... [--adapter-env NAME=VALUE]...
                                   [--think-budget N [--below-margin M] [--think-deadline-ms MS]] [--forward-only]
+                                  [--no-abstain-marks]
 """
 
 from __future__ import annotations
@@ -83,12 +87,21 @@ class Reply:
     error: Optional[str] = None
 
 
-def systemone_body(row: dict, reverse: bool) -> dict:
-    """The System One request both sides get: the row's question as a `choice`, options as criteria."""
+def systemone_body(row: dict, reverse: bool, *, abstain_mark: bool = False) -> dict:
+    """The System One request both sides get: the row's question as a `choice`, options as criteria. With
+    `abstain_mark`, the row's abstain option (if it names one) marked as the adapter's contract takes it."""
     options = row["options"][::-1] if reverse else row["options"]
     criteria = {o["id"]: o.get("description") for o in options}
-    return {"state": row["state"], "questions": {QUESTION_ID: {"type": "choice", "instructions": row["question"],
-                                                               "criteria": criteria}}}
+    question = {"type": "choice", "instructions": row["question"], "criteria": criteria}
+    if abstain_mark and row.get("abstain_option") is not None:
+        question["x_abstain_option"] = row["abstain_option"]
+    return {"state": row["state"], "questions": {QUESTION_ID: question}}
+
+
+def side_bodies(row: dict, reverse: bool, abstain_marks: bool) -> dict[str, dict]:
+    """Each side's request for one row: the same question; the adapter's marks the abstain option (when
+    `abstain_marks` and the row names one), callo's never does (System One as callo serves it has no such field)."""
+    return {"adapter": systemone_body(row, reverse, abstain_mark=abstain_marks), "callo": systemone_body(row, reverse)}
 
 
 @dataclass(frozen=True)
@@ -412,6 +425,14 @@ def ratio_of(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
+def abstain_marks_record(cases: list[dict], sent: bool) -> dict:
+    """Whether the adapter's requests carried the rows' abstain options, how many rows name one, and how many
+    of the adapter's requests carried it."""
+    rows = sum(1 for c in cases if c.get("abstain_option") is not None)
+    return {"sent": sent, "rows_with_abstain_option": rows,
+            "marked_cases": sum(1 for c in cases if c.get("abstain_marked"))}
+
+
 def print_report(report: dict) -> None:
     out = Console(width=None if sys.stdout.isatty() else 160)
     meta, sides = report["meta"], report["summary"]
@@ -442,6 +463,11 @@ def print_report(report: dict) -> None:
     r = {key: "-" if value is None else f"{value:.3f}" for key, value in report["ratios"].items()}
     out.print(f"adapter / callo: p50 (first sight of each state) {r['p50_forward']}, p50 (all requests) "
               f"{r['p50_all']}, median per-request ratio {r['median_per_request']}")
+    marks = meta.get("abstain_marks")
+    if marks is not None:
+        out.print(f"abstain marks: {'sent' if marks['sent'] else 'not sent (--no-abstain-marks)'}: the adapter's "
+                  f"requests marked x_abstain_option on {marks['marked_cases']} of {meta['cases']} decisions "
+                  f"({marks['rows_with_abstain_option']} name one); callo's requests never do")
     if meta.get("thinking"):
         t, looked = meta["thinking"], sides["adapter"]["looked_again"]
         out.print(f"thinking: budget {t['budget']} tokens; callo thinks on every request, the adapter looked again on "
@@ -482,7 +508,7 @@ def model_and_rows(args: argparse.Namespace) -> tuple[Path, list[dict]]:
         raise SystemExit(f"cannot read {args.data}: {exc}")
 
 
-def main() -> int:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="GGUF both sides serve (default: the embedded SmolLM2-135M)")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="labeled decisions, JSON Lines "
@@ -506,7 +532,14 @@ def main() -> int:
                              "40000, inside the adapter's 50 s request deadline; callo's thinking has none)")
     parser.add_argument("--forward-only", action="store_true",
                         help="send each decision once, options as written (no order stability)")
-    args = parser.parse_args()
+    parser.add_argument("--no-abstain-marks", dest="abstain_marks", action="store_false",
+                        help="do not mark a row's abstain_option in the adapter's requests (x_abstain_option): "
+                             "both sides get the very same body")
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
 
     model, rows = model_and_rows(args)
     adapter_env = {}
@@ -529,8 +562,9 @@ def main() -> int:
     out_path = args.out or REPO / "reports" / f"bench-callo-{started:%Y%m%dT%H%M%SZ}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     host = host_record(args.llama_server)
-    console.print(f">> model {model.name}, {args.threads} threads, {len(rows)} decisions; load average "
-                  f"{host['loadavg_start'][0]:.2f}")
+    marked = sum(1 for row in rows if row.get("abstain_option") is not None) if args.abstain_marks else 0
+    console.print(f">> model {model.name}, {args.threads} threads, {len(rows)} decisions ({marked} with the abstain "
+                  f"option marked for the adapter); load average {host['loadavg_start'][0]:.2f}")
     model_sha256 = sha256_file(model)
 
     sides: dict[str, object] = {}
@@ -544,7 +578,7 @@ def main() -> int:
                   "options": [{"id": "print", "description": "Printers"}, {"id": "network", "description": "Network"}]}
         for side in sides.values():
             for reverse in (False, True):
-                body = systemone_body(warmup, reverse)
+                body = side_bodies(warmup, reverse, args.abstain_marks)[side.name]
                 reply = side.decide(thinking.body(side.name, body) if thinking else body)
                 if reply.error:
                     # e.g. callo answers a think_budget with 422 on a model whose chat template has no
@@ -559,11 +593,14 @@ def main() -> int:
             for index, row in enumerate(rows):
                 case = {"id": row["id"], "category": row.get("category", "all"),
                         "decision_id": row.get("decision_id") or row.get("category", "all"), "answer": row["answer"],
+                        "abstain_option": row.get("abstain_option"),
+                        "abstain_marked": args.abstain_marks and row.get("abstain_option") is not None,
                         "adapter": {}, "callo": {}}
                 for turn, direction in enumerate(directions):
-                    body = systemone_body(row, reverse=direction == "reversed")
+                    bodies = side_bodies(row, direction == "reversed", args.abstain_marks)
                     order = side_order(index, turn)
                     for name in order:
+                        body = bodies[name]
                         reply = sides[name].decide(thinking.body(name, body) if thinking else body)
                         case[name][direction] = {**asdict(reply), "nll": answer_nll(reply, row["answer"]),
                                                  "first": name == order[0]}
@@ -589,6 +626,8 @@ def main() -> int:
             "adapter_env": adapter_env, "adapter_template_version": adapter_record.get("template_version"),
             "adapter_llama_cpp_build": adapter_record.get("llama_cpp_build"),
             "directions": list(directions), "thinking": asdict(thinking) if thinking else None,
+            # Whether the adapter's requests marked the rows' abstain options (x_abstain_option), and on how many.
+            "abstain_marks": abstain_marks_record(cases, args.abstain_marks),
             "host": {**host, "loadavg_end": list(os.getloadavg())},
             "note": "client-side wall time per request, both servers on one shared machine, never at the same time",
         },

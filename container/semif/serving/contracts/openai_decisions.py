@@ -152,9 +152,15 @@ def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tupl
     _require(q, dict, field, "a question object")
     if q.get("scoring") is not None:
         raise _bad(f"{field}.scoring", UNSUPPORTED, "unsupported_parameter")
+    if q.get("abstain_option") is not None:  # ignored, it would answer as if nothing were marked
+        raise _bad(f"{field}.abstain_option", "is SemIf's spelling; an OpenAI Decisions question marks its abstain "
+                   "option with x_abstain_option", "unsupported_parameter")
     kind = q.get("type")
     name = _optional_str(q, "name", field)
     text = _instructions(q, field, texts) if kind in ("predicate", "choice", "score") else None
+    mark = q.get("x_abstain_option")
+    if mark is not None and kind in ("predicate", "score"):
+        raise _bad(f"{field}.x_abstain_option", f"only a choice question takes an abstain option (this one is a {kind})")
     if kind == "predicate":
         return Question(text, (Outcome("true"), Outcome("false")), kind="binary"), {"type": kind, "name": name}
     if kind == "choice":
@@ -179,7 +185,9 @@ def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tupl
             seen[key] = i
             values.append(value)
             outcomes.append(Outcome(key, _description(choice, where)))
-        return Question(text, tuple(outcomes), kind="choice"), {"type": kind, "name": name, "values": values}
+        abstain = _abstain_index(mark, values, f"{field}.x_abstain_option")
+        return (Question(text, tuple(outcomes), kind="choice", abstain=abstain),
+                {"type": kind, "name": name, "values": values, "marked": abstain is not None})
     if kind == "score":
         levels = _require(q.get("levels"), list, f"{field}.levels", "an array of levels")
         if not 2 <= len(levels) <= MAX_SCORE_LEVELS:
@@ -195,6 +203,20 @@ def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tupl
             outcomes.append(Outcome(label, _description(level, where)))
         return Question(text, tuple(outcomes), kind="scale"), {"type": kind, "name": name, "labels": labels}
     raise _bad(f"{field}.type", f"must be predicate, choice or score (got {_shown(kind)})")
+
+
+def _abstain_index(mark: Any, values: list, field: str) -> Optional[int]:
+    """Our extension `x_abstain_option`: the choice value that escapes a forced choice ("needs_more_info",
+    "none_of_these"), as SemIf's `abstain_option`: content-free calibration keeps its content-free share
+    (engine/context.py content_free_shift). It names a value with its JSON type: "true" is not true."""
+    if mark is None:
+        return None
+    if not isinstance(mark, (str, bool)):
+        raise _bad(field, f"must be a string or a boolean, not {_type_name(mark)}")
+    for index, value in enumerate(values):
+        if value == mark and type(value) is type(mark):
+            return index
+    raise _bad(field, f"{_shown(mark)} is not one of the question's choice values")
 
 
 def confidence_of_choice(probabilities: list[float]) -> float:
@@ -254,7 +276,8 @@ def parse(body: Any, limits: Limits) -> Job:
     names = [excerpt(spec["name"]) if spec["name"] is not None else f"questions[{i}]" for i, (_, spec) in enumerate(parsed)]
     hashes = [options_sha256([(o.key, o.description) for o in q.outcomes]) for q in questions]
 
-    extended = layout is not None or injection_check is not None or debias is not None
+    marked = any(spec.get("marked") for _, spec in parsed)
+    extended = layout is not None or injection_check is not None or debias is not None or marked
 
     def render(result: ScoreResult, run: RunContext) -> dict:
         cached = result.cached_tokens
@@ -283,7 +306,9 @@ def parse(body: Any, limits: Limits) -> Job:
             # OpenAI's shape. The server's default debiasing is in its configuration and every log line.
             **({"x_semif": {"template_version": result.template_version, "layout": result.layout,
                             "injection_suspected": injection_suspected, "debias": debiased,
-                            **({"content_free": [d.content_free for d in result.distributions]}
+                            # The abstain option whose content-free share was kept, by its choice value.
+                            **({"content_free": [_content_free_record(spec, d.content_free)
+                                                 for (_, spec), d in zip(parsed, result.distributions)]}
                                if debiased == "content_free" else {}),
                             **({"calibration": calibrations} if calibrations else {})}}
                if extended or injection_suspected is not None or calibrations else {}),
@@ -293,6 +318,12 @@ def parse(body: Any, limits: Limits) -> Job:
     return Job(state_text=state_text, questions=questions, render=render, options_sha256=hashes,
                state_field="input", question_fields=fields, question_names=names, budget_field="questions",
                layout=layout, injection_check=injection_check, debias=debias)
+
+
+def _content_free_record(spec: dict, record: Optional[dict]) -> Optional[dict]:
+    if record is None or record.get("abstain_kept") is None:
+        return record
+    return {**record, "abstain_kept": spec["values"][record["abstain_kept"]]}  # a copy: the engine's stays an index
 
 
 def _answer(spec: dict, dist: Distribution) -> dict:

@@ -51,19 +51,26 @@ class NoulCriteria(BaseModel):
     false: OptionalContent = None
 
 
-class NoulQuestion(_Lenient):
+class _Question(_Lenient):
+    # Our extension: the option that escapes a forced choice ("needs_more_info", "none_of_these"), by its
+    # criteria key. Content-free calibration keeps its content-free share instead of dividing it out
+    # (engine/context.py content_free_shift), as SemIf's `abstain_option`. Only a choice has one (_abstain_index).
+    x_abstain_option: Optional[str] = None
+
+
+class NoulQuestion(_Question):
     type: Literal["noul"]
     instructions: OptionalContent = None
     criteria: Optional[NoulCriteria] = None
 
 
-class ChoiceQuestion(_Lenient):
+class ChoiceQuestion(_Question):
     type: Literal["choice"]
     instructions: OptionalContent = None
     criteria: dict[str, OptionalContent]
 
 
-class ScoreQuestion(_Lenient):
+class ScoreQuestion(_Question):
     type: Literal["score"]
     instructions: OptionalContent = None
     criteria: list[Content]
@@ -137,12 +144,28 @@ def _check_description(text: Optional[str], loc: list) -> None:
         raise _invalid(loc, problem, "value_error")
 
 
+def _abstain_index(q: Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], loc: list) -> Optional[int]:
+    """The question's abstain option as an index into its criteria, or None when it marks none. A noul's
+    outcomes and a score's levels are not options a caller escapes to: marking one is refused, never ignored."""
+    mark = q.x_abstain_option
+    if mark is None:
+        return None
+    where = [*loc, "x_abstain_option"]
+    if not isinstance(q, ChoiceQuestion):
+        raise _invalid(where, f"only a choice question takes an abstain option (this one is a {q.type})", "value_error")
+    names = list(q.criteria)
+    if mark not in names:
+        raise _invalid(where, f"{excerpt(mark)!r} is not one of the question's criteria", "value_error")
+    return names.index(mark)
+
+
 def _noul_question(q: NoulQuestion, loc: list, texts: JsonTextBudget) -> Question:
     criteria = q.criteria or NoulCriteria()
     yes = None if criteria.true is None else as_text(criteria.true, texts, _where(loc, "criteria", "true"))
     no = None if criteria.false is None else as_text(criteria.false, texts, _where(loc, "criteria", "false"))
     if q.instructions is None and yes is None and no is None:
         raise _invalid(loc, "a noul needs instructions or a described outcome (criteria.true or criteria.false)", "value_error")
+    _abstain_index(q, loc)
     lines = [as_text(q.instructions, texts, _where(loc, "instructions")) if q.instructions is not None
              else "Which description fits the state?"]
     if yes is not None:
@@ -171,7 +194,7 @@ def _choice_question(q: ChoiceQuestion, loc: list, limits: Limits, texts: JsonTe
                      for name, d in q.criteria.items())
     for outcome in outcomes:
         _check_description(outcome.description, [*loc, "criteria", outcome.key])
-    return Question(text, outcomes, kind="choice")
+    return Question(text, outcomes, kind="choice", abstain=_abstain_index(q, loc))
 
 
 def _score_question(q: ScoreQuestion, loc: list, texts: JsonTextBudget) -> Question:
@@ -179,6 +202,7 @@ def _score_question(q: ScoreQuestion, loc: list, texts: JsonTextBudget) -> Quest
     if n < 2 or n > MAX_SCORE_LEVELS:
         raise _invalid([*loc, "criteria"], f"a score needs 2 to {MAX_SCORE_LEVELS} levels (got {n})",
                        "too_short" if n < 2 else "too_long")
+    _abstain_index(q, loc)
     text = (as_text(q.instructions, texts, _where(loc, "instructions")) if q.instructions is not None
             else "Which level fits the state best?")
     levels = tuple(Outcome(as_text(level, texts, _where(loc, "criteria", i))) for i, level in enumerate(q.criteria))
@@ -215,12 +239,17 @@ SEMIF_ONLY = ("policy", "return_prompt", "scoring")
 
 def _refuse_semif_fields(body: dict) -> None:
     where = [[key] for key in SEMIF_ONLY if body.get(key) not in (None, False)]  # null or false asks for nothing
-    questions = body.get("questions")
-    if isinstance(questions, dict):
-        where += [["questions", qid, "scoring"] for qid, q in questions.items()
-                  if isinstance(q, dict) and q.get("scoring") is not None]
+    questions = body.get("questions") if isinstance(body.get("questions"), dict) else {}
+    where += [["questions", qid, "scoring"] for qid, q in questions.items()
+              if isinstance(q, dict) and q.get("scoring") is not None]
     if where:
         raise _invalid(where[0], "a SemIf field that System One requests do not take (send it to /v1/semif)",
+                       "extra_forbidden", "unsupported_parameter")
+    # SemIf's name for the abstain option: ignored, it would silently answer as if nothing were marked.
+    renamed = [["questions", qid, "abstain_option"] for qid, q in questions.items()
+               if isinstance(q, dict) and q.get("abstain_option") is not None]
+    if renamed:
+        raise _invalid(renamed[0], "SemIf's spelling; a System One question marks its abstain option with x_abstain_option",
                        "extra_forbidden", "unsupported_parameter")
 
 
@@ -293,7 +322,9 @@ def parse(body: Any, limits: Limits) -> Job:
                 "debias": result.distributions[0].debias if result.distributions else None,
                 "label_mass": {qid: dist.label_mass for qid, dist in zip(ids, result.distributions)},
                 # debias "content_free": each answer's content-free prior and its raw answer.
-                **({"content_free": {qid: dist.content_free for qid, dist in zip(ids, result.distributions)}}
+                # The abstain option whose content-free share was kept (x_abstain_option) is named by its criteria key.
+                **({"content_free": {qid: _content_free_record(q, dist.content_free)
+                                     for qid, q, dist in zip(ids, request.questions.values(), result.distributions)}}
                    if any(getattr(d, "content_free", None) is not None for d in result.distributions) else {}),
                 # With SEMIF_CALIBRATION_PATH: each answer's calibration record (applied, or why not).
                 **({"calibration": {qid: dist.calibration for qid, dist in zip(ids, result.distributions)}}
@@ -318,6 +349,12 @@ def parse(body: Any, limits: Limits) -> Job:
         debias=request.debias,
         second_look=request.second_look.config() if request.second_look is not None else None,
     )
+
+
+def _content_free_record(q: Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], record: Optional[dict]) -> Optional[dict]:
+    if record is None or record.get("abstain_kept") is None:
+        return record
+    return {**record, "abstain_kept": list(q.criteria)[record["abstain_kept"]]}  # a copy: the engine's stays an index
 
 
 def _answer(q: Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], dist: Distribution, opt_hash: str) -> dict:
