@@ -1,5 +1,5 @@
-"""Calibration: metrics against hand-computed values, temperature fitting on synthetic logits with a
-known temperature, cross-validation, the calibration file, and the adapter applying it (or refusing it)."""
+"""Calibration: metrics against hand-computed values, temperature and Platt fitting on synthetic logits with
+known parameters, cross-validation, the calibration file, and the adapter applying it (or refusing it)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ from semif.serving.postprocess.calibration import (
     FitKind,
     accuracy_coverage,
     apply_contextual,
+    apply_platt,
     brier,
     build_file,
     contextual_log_prior,
     cross_validate,
     ece,
+    fit_platt,
     fit_temperature,
     fit_temperatures,
     kfold_indices,
@@ -134,6 +136,94 @@ def test_cross_validation_fits_on_other_folds_and_improves_overconfident_logits(
     assert np.allclose(report["probabilities"]["raw"][0], softmax(logits[0]))
 
 
+# ---- Platt scaling --------------------------------------------------------------------------------
+
+
+def sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def top_log_odds(logits) -> float:
+    """log(p / (1 − p)) of the top softmax probability, from the probabilities themselves."""
+    p = max(softmax(logits))
+    return math.log(p / (1 - p))
+
+
+def offset_confidence(n: int, a: float, b: float, seed: int = 11) -> tuple[list[list[float]], list[int]]:
+    """Two-option logits [s, 0], s > 0, whose top option is right with probability σ(a·s + b)."""
+    rng = np.random.default_rng(seed)
+    scores = rng.uniform(0.2, 5.0, size=n)
+    answers = [0 if rng.random() < sigmoid(a * s + b) else 1 for s in scores]
+    return [[float(s), 0.0] for s in scores], answers
+
+
+def test_platt_fit_recovers_a_known_slope_and_bias():
+    logits, answers = offset_confidence(20000, 0.6, -0.8)
+    fitted = fit_platt(logits, answers)
+    assert fitted["a"] == pytest.approx(0.6, abs=0.06) and fitted["b"] == pytest.approx(-0.8, abs=0.12)
+    assert fitted["n"] == 20000
+
+
+def test_the_platt_fit_minimises_the_cross_entropy_against_platts_targets():
+    logits, answers = synthetic(400, 2.0, seed=12)
+    fitted = fit_platt(logits, answers)
+    correct = [int(np.argmax(z)) == y for z, y in zip(logits, answers)]
+    n_pos, n_neg = sum(correct), len(correct) - sum(correct)
+    targets = [(n_pos + 1) / (n_pos + 2) if ok else 1 / (n_neg + 2) for ok in correct]
+    scores = [top_log_odds(z) for z in logits]
+
+    def loss(a, b):
+        return -sum(t * math.log(sigmoid(a * s + b)) + (1 - t) * math.log(1 - sigmoid(a * s + b)) for s, t in zip(scores, targets))
+
+    best = loss(fitted["a"], fitted["b"])
+    for da, db in ((0.05, 0), (-0.05, 0), (0, 0.05), (0, -0.05)):
+        assert best < loss(fitted["a"] + da, fitted["b"] + db)
+
+
+def test_platt_sets_the_top_probability_and_keeps_the_order_of_the_options():
+    logits = [0.3, 2.1, -1.0, 1.4, 0.0]
+    probabilities = apply_platt(logits, 0.7, 0.4)
+    assert probabilities[1] == pytest.approx(sigmoid(0.7 * top_log_odds(logits) + 0.4), abs=1e-9)
+    assert probabilities.sum() == pytest.approx(1.0)
+    assert list(np.argsort(probabilities)) == list(np.argsort(logits))
+    # one temperature per answer: every pair's log-ratio is the same multiple of its logit gap
+    ratios = [math.log(probabilities[i] / probabilities[j]) / (logits[i] - logits[j]) for i, j in ((1, 3), (0, 2), (4, 2))]
+    assert ratios == pytest.approx([ratios[0]] * 3, rel=1e-6)
+    # a top probability below the even share is clamped to it, never below the runner-up
+    assert apply_platt(logits, 0.1, -8.0) == pytest.approx([0.2] * 5, abs=1e-6)
+
+
+def test_cross_validation_fits_platt_on_the_other_folds_only():
+    logits, answers = offset_confidence(200, 1.0, -1.5, seed=13)
+    cases = [Case("d", y, z) for z, y in zip(logits, answers)]
+    report = cross_validate(cases, k=4, seed=3)
+    for fold in kfold_indices(len(cases), 4, seed=3):
+        held = set(fold)
+        fitted = fit_platt([c.logits for i, c in enumerate(cases) if i not in held],
+                           [c.answer for i, c in enumerate(cases) if i not in held])
+        for i in fold:
+            assert report["probabilities"]["platt"][i] == pytest.approx(apply_platt(logits[i], fitted["a"], fitted["b"]).tolist())
+
+
+def test_platt_wins_held_out_where_the_confidence_is_offset_and_then_it_is_applied():
+    from semif.tools.calibrate import choose_applied
+
+    # Right less often than the logits' spread says, by a fixed offset: no single temperature can express that.
+    logits, answers = offset_confidence(2000, 1.0, -1.5, seed=14)
+    report = cross_validate([Case("d", y, z) for z, y in zip(logits, answers)], k=5, seed=0)
+    fitted = fit_platt(logits, answers)
+    assert report["methods"]["platt"]["nll"] < report["methods"]["temperature"]["nll"]
+    assert choose_applied(report["methods"], "auto", fitted) == "platt"
+    assert choose_applied(report["methods"], "temperature", fitted) == "temperature"
+    # a slope that ranks confidence backwards is never chosen, however its NLL compares
+    assert choose_applied(report["methods"], "auto", {**fitted, "a": -fitted["a"]}) == "temperature"
+    # Logits that are a known temperature off: temperature scaling is the right model and Platt does not win.
+    logits, answers = synthetic(2000, 2.0, n_options=4, seed=15)
+    report = cross_validate([Case("d", y, z) for z, y in zip(logits, answers)], k=5, seed=0)
+    assert report["methods"]["temperature"]["nll"] <= report["methods"]["platt"]["nll"]
+    assert choose_applied(report["methods"], "auto", fit_platt(logits, answers)) == "temperature"
+
+
 def test_contextual_calibration_divides_by_the_content_free_prior():
     prior = contextual_log_prior([[2.0, 0.0], [2.0, 0.0]])
     p = softmax(apply_contextual([2.0, 0.0], prior))
@@ -184,6 +274,9 @@ def test_a_file_for_another_model_is_refused_with_both_hashes_in_the_message(tmp
         (lambda p: p.update(format_version=99), "format_version"),
         (lambda p: p["fits"][0]["global"].update(temperature=0), "invalid temperature"),
         (lambda p: p.update(policy={"min_probability": 3}), "policy.min_probability"),
+        (lambda p: p["fits"][0].update(applied="isotonic"), "applied is 'isotonic'"),
+        (lambda p: p["fits"][0].update(applied="platt"), "platt: needs finite"),
+        (lambda p: p["fits"][0].update(applied="platt", platt={"a": float("nan"), "b": 0.0}), "platt: needs finite"),
     ],
 )
 def test_malformed_files_are_refused(tmp_path, mutate, message):
@@ -205,6 +298,18 @@ def test_per_decision_temperature_wins_over_global_and_scoring_without_fit_is_un
     assert (record["temperature"], record["temperature_source"]) == (2.0, "global")
     probs, record = cal.calibrate([1.0, 0.0], kind=FitKind("sequence"), decision_id="route", options_sha256=None)
     assert probs is None and record["method"] == "none" and "sequence/state_first/none" in record["reason"]
+
+
+def test_a_file_applies_platt_when_it_says_so_and_a_file_without_applied_keeps_its_temperature():
+    platt = calibration_payload("a" * 64, temperature=2.0)
+    platt["fits"][0].update(platt={"a": 0.5, "b": -0.2, "n": 10}, applied="platt")
+    logits = [1.5, 0.2, -0.4]
+    probs, record = Calibration.from_dict(platt).calibrate(logits, kind=LABEL, decision_id="route", options_sha256=None)
+    assert probs[0] == pytest.approx(sigmoid(0.5 * top_log_odds(logits) - 0.2), abs=1e-9)
+    assert record["method"] == "platt" and record["platt"] == {"a": 0.5, "b": -0.2}
+    older = calibration_payload("a" * 64, temperature=2.0)  # written before Platt: no "applied", no "platt"
+    probs, record = Calibration.from_dict(older).calibrate(logits, kind=LABEL, decision_id="route", options_sha256=None)
+    assert probs == pytest.approx(softmax(logits, 2.0).tolist()) and record["method"] == "temperature"
 
 
 SINGLE = {"decision": {"id": "route", "state": "My laptop screen cracked.", "question": "Which team?",
@@ -235,6 +340,25 @@ def test_the_adapter_applies_the_temperature_keeps_raw_logits_and_reports_the_ca
     # the file's default policy applies unless the request brings its own
     assert body["action"] == ("accept" if top >= 0.99 else "abstain")
     assert overridden["action"] == "accept"
+
+
+def test_the_adapter_applies_a_platt_fit_to_the_served_answer(engine, model_path):
+    from starlette.testclient import TestClient
+
+    from semif.serving.http.app import create_app
+    from serving import make_settings
+
+    payload = served_payload(engine, temperature=3.0)
+    payload["fits"][0].update(platt={"a": 0.6, "b": 0.9, "n": 10}, applied="platt")
+    app = create_app(make_settings(model_path), engine)
+    app.state.service.decision_postprocessor.configure(Calibration.from_dict(payload))
+    with TestClient(app) as http:
+        body = http.post("/invocations", json=SINGLE).json()
+    assert "option_logits" in body, body
+    top = int(np.argmax(body["option_logits"]))
+    assert body["probabilities"][top] == pytest.approx(sigmoid(0.6 * top_log_odds(body["option_logits"]) + 0.9), abs=1e-9)
+    assert body["calibration"]["method"] == "platt"
+    assert body["choice"] == SINGLE["decision"]["options"][top]["id"]
 
 
 def test_serve_refuses_a_calibration_file_for_another_model_at_startup(start_serve, tmp_path):

@@ -1,5 +1,5 @@
-"""Calibration: temperature scaling fitted by NLL, contextual calibration, the calibration file, and
-the metrics that judge probabilities (NLL, Brier, ECE, reliability bins, accuracy/coverage).
+"""Calibration: temperature scaling fitted by NLL, Platt scaling of the top confidence, contextual calibration,
+the calibration file, and the metrics that judge probabilities (NLL, Brier, ECE, reliability bins, accuracy/coverage).
 
 Pure numpy; the adapter imports it to apply a calibration file, the CLIs to fit and report.
 
@@ -11,6 +11,8 @@ Calibration file (JSON, written by `semif-calibrate`, loaded by the adapter from
      "fits": [{"scoring": "label", "layout": "state_first", "debias": "none",   (what the logits were)
                "global": {"temperature": 1.7, "n": 29},
                "per_decision": {"route": {"temperature": 1.2, "n": 6}, ...},
+               "platt": {"a": 0.8, "b": -0.3, "n": 29},   (optional: Platt scaling of the top option's confidence)
+               "applied": "temperature" | "platt",        (optional, default "temperature")
                "contextual": {"route": {"options_sha256": "...", "log_prior": [...]}},
                "contextual_temperatures": {"global": {...}, "per_decision": {...}}}, ...],
      "policy": {"min_probability": 0.7, ...} (optional: the adapter's default abstention policy),
@@ -39,6 +41,7 @@ from ..engine.prompt import DEFAULT_LAYOUT, LAYOUTS
 FORMAT = "semif-calibration"
 FORMAT_VERSION = 2
 SCORINGS = ("label", "sequence")
+APPLIED = ("temperature", "platt")  # what a fit applies outside its contextual priors
 ECE_BINS = 15
 BETA_MIN, BETA_MAX = 1e-3, 100.0  # inverse temperature range: T in [0.01, 1000]
 
@@ -162,6 +165,102 @@ def fit_temperature(logits: Sequence[Sequence[float]], answers: Sequence[int]) -
     return 1.0 / math.exp((lo + hi) / 2)
 
 
+# ---- Platt scaling -------------------------------------------------------------------------------
+
+
+def confidence_logit(logits: Sequence[float]) -> float:
+    """log(p / (1 − p)) of the top option's softmax probability p: log p_top − log Σ_{j≠top} p_j, computed
+    from log-probabilities so that a near-certain answer stays finite."""
+    values = np.asarray(logits, dtype=np.float64)
+    top = int(np.argmax(values))
+    others = np.delete(values, top)
+    peak = float(others.max())
+    return float(values[top] - peak - math.log(float(np.exp(others - peak).sum())))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return np.where(x >= 0, 1.0 / (1.0 + np.exp(-np.abs(x))), np.exp(-np.abs(x)) / (1.0 + np.exp(-np.abs(x))))
+
+
+def platt_targets(correct: Sequence[bool]) -> np.ndarray:
+    """Platt's (1999) regularised targets: (N₊ + 1)/(N₊ + 2) for a right answer, 1/(N₋ + 2) for a wrong one,
+    so that all-right (or separable) data still gives a finite fit."""
+    hits = np.asarray(correct, dtype=bool)
+    n_pos, n_neg = int(hits.sum()), int((~hits).sum())
+    return np.where(hits, (n_pos + 1.0) / (n_pos + 2.0), 1.0 / (n_neg + 2.0))
+
+
+def platt_loss(a: float, b: float, scores: Sequence[float], targets: Sequence[float]) -> float:
+    """Σ cross-entropy of σ(a·s + b) against the targets (the quantity fit_platt minimises)."""
+    x = a * np.asarray(scores, dtype=np.float64) + b
+    t = np.asarray(targets, dtype=np.float64)
+    # −[t log σ(x) + (1 − t) log(1 − σ(x))] = log(1 + eˣ) − t·x
+    return float(np.sum(np.logaddexp(0.0, x) - t * x))
+
+
+def fit_platt(logits: Sequence[Sequence[float]], answers: Sequence[int]) -> dict:
+    """Platt scaling of the answer's confidence: (a, b) of p_top = σ(a·s + b), s = confidence_logit(logits),
+    fitted by Newton's method on the cross-entropy against whether the top option is the right one
+    (platt_targets). A multi-class softmax with one slope and one shared bias is temperature scaling again;
+    Platt's bias is what moves the confidence independently of the logits' spread."""
+    if not logits:
+        return {"a": 1.0, "b": 0.0, "n": 0}
+    s = np.asarray([confidence_logit(z) for z in logits], dtype=np.float64)
+    correct = [int(np.argmax(z)) == y for z, y in zip(logits, answers)]
+    t = platt_targets(correct)
+    a, b = 1.0, 0.0
+    loss = platt_loss(a, b, s, t)
+    for _ in range(100):
+        p = _sigmoid(a * s + b)
+        w = p * (1 - p)
+        grad = np.array([np.sum((p - t) * s), np.sum(p - t)])
+        hessian = np.array([[np.sum(w * s * s), np.sum(w * s)], [np.sum(w * s), np.sum(w)]]) + 1e-9 * np.eye(2)
+        step = np.linalg.solve(hessian, grad)
+        scale = 1.0
+        while scale > 1e-10:
+            trial = platt_loss(a - scale * step[0], b - scale * step[1], s, t)
+            if trial <= loss:
+                break
+            scale /= 2
+        else:
+            break
+        a, b = a - scale * float(step[0]), b - scale * float(step[1])
+        improved, loss = loss - trial, trial
+        if improved < 1e-12 and float(np.max(np.abs(grad))) < 1e-8:
+            break
+    return {"a": float(a), "b": float(b), "n": len(logits)}
+
+
+def platt_confidence(logits: Sequence[float], a: float, b: float) -> float:
+    """σ(a·s + b), s = confidence_logit(logits): the top option's Platt-scaled probability."""
+    return float(_sigmoid(np.asarray(a * confidence_logit(logits) + b)))
+
+
+def apply_platt(logits: Sequence[float], a: float, b: float) -> np.ndarray:
+    """The distribution softmax(β·z) whose top option has the Platt-scaled probability (platt_confidence):
+    one inverse temperature β per answer, found by bisection, so the options keep their order and the pick
+    never changes. That probability is clamped to what a softmax of these logits can give the top option:
+    at least 1/n (β = 0) and at most its share at β = BETA_MAX·100."""
+    values = np.asarray(logits, dtype=np.float64)
+    values = values - values.max()
+    top = int(np.argmax(values))
+
+    def top_share(beta: float) -> float:
+        return float(softmax(values * beta)[top])
+
+    lo, hi = math.log(BETA_MIN * 1e-3), math.log(BETA_MAX * 100)
+    target = min(max(platt_confidence(values, a, b), 1.0 / len(values)), top_share(math.exp(hi)))
+    if target <= top_share(math.exp(lo)):
+        return softmax(values * math.exp(lo))
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if top_share(math.exp(mid)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return softmax(values * math.exp((lo + hi) / 2))
+
+
 # ---- contextual calibration (Zhao et al. 2021) ----------------------------------------------------
 
 
@@ -220,9 +319,10 @@ def kfold_indices(n: int, k: int, seed: int = 0) -> list[list[int]]:
 
 
 def cross_validate(cases: Sequence[Case], *, k: int = 5, seed: int = 0, min_per_decision: int = 5) -> dict:
-    """Held-out metrics of raw, temperature-scaled, contextual and contextual+temperature
-    probabilities. Each fold's temperatures are fitted on the other folds only."""
-    methods: dict[str, list] = {"raw": [None] * len(cases), "temperature": [None] * len(cases)}
+    """Held-out metrics of raw, temperature-scaled, Platt-scaled, contextual and contextual+temperature
+    probabilities. Each fold's temperatures and Platt fit are fitted on the other folds only."""
+    methods: dict[str, list] = {"raw": [None] * len(cases), "temperature": [None] * len(cases),
+                                "platt": [None] * len(cases)}
     has_prior = bool(cases) and all(c.log_prior is not None for c in cases)
     if has_prior:
         methods["contextual"] = [None] * len(cases)
@@ -232,11 +332,13 @@ def cross_validate(cases: Sequence[Case], *, k: int = 5, seed: int = 0, min_per_
         held = set(test)
         train = [c for i, c in enumerate(cases) if i not in held]
         plain = fit_temperatures(train, min_per_decision=min_per_decision)
+        platt = fit_platt([c.logits for c in train], [c.answer for c in train])
         ctx = fit_temperatures(train, min_per_decision=min_per_decision, contextual=True) if has_prior else None
         for i in test:
             c = cases[i]
             methods["raw"][i] = softmax(c.logits).tolist()
             methods["temperature"][i] = softmax(c.logits, temperature_for(plain, c.key)[0]).tolist()
+            methods["platt"][i] = apply_platt(c.logits, platt["a"], platt["b"]).tolist()
             if has_prior:
                 shifted = apply_contextual(c.logits, c.log_prior)
                 methods["contextual"][i] = softmax(shifted).tolist()
@@ -331,6 +433,14 @@ def _check_fit(raw: Any, index: int, source: str) -> tuple[FitKind, dict]:
             raise CalibrationError(f"{where}.contextual.{key}: needs options_sha256 and a list of finite log_prior values")
     if contextual:
         _check_table(raw.get("contextual_temperatures"), f"{where}.contextual_temperatures")
+    applied = raw.get("applied", "temperature")
+    if applied not in APPLIED:
+        raise CalibrationError(f"{where}.applied is {applied!r}; must be one of {', '.join(APPLIED)}")
+    platt = raw.get("platt")
+    if platt is not None or applied == "platt":
+        if not isinstance(platt, dict) or not all(isinstance(platt.get(k), (int, float)) and not isinstance(platt.get(k), bool)
+                                                  and math.isfinite(platt[k]) for k in ("a", "b")):
+            raise CalibrationError(f"{where}.platt: needs finite \"a\" and \"b\" (p_top = sigmoid(a*s + b))")
     return kind, {k: v for k, v in raw.items() if k not in ("scoring", "layout", "debias")}
 
 
@@ -440,6 +550,10 @@ class Calibration:
             values = apply_contextual(values, contextual["log_prior"])
             method = "contextual+temperature"
             table = fitted["contextual_temperatures"]
+        elif fitted.get("applied") == "platt" and len(values) >= 2:
+            a, b = float(fitted["platt"]["a"]), float(fitted["platt"]["b"])
+            record = {"version": self.version, "method": "platt", "platt": {"a": a, "b": b}, "fit": kind.as_dict()}
+            return apply_platt(values, a, b).tolist(), record
         else:
             table = fitted
         temperature, source = temperature_for(table, decision_id)
