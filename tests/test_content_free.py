@@ -120,7 +120,7 @@ def test_alternating_questions_through_a_small_store_evict_least_recently_used_a
         got = engine.score(state, [question], debias="content_free")
         held.append(got.distributions[0].content_free["held"])
         assert engine.content_free_passes == passes + (0 if held[-1] else 1)
-        assert len(engine._content_free) <= 2
+        assert len(engine.prior_memo) <= 2
         _same(got, want)
     # Two entries: ROUTE is used again before TONE arrives, so URGENT goes first, then ROUTE, then TONE.
     assert held == [False, False, True, False, False, False, True]
@@ -141,7 +141,7 @@ def test_more_questions_than_the_store_holds_are_answered_from_the_pass_itself(f
     engine = fresh
     engine.content_free_entries = 1
     got = engine.score(STATES[2], [ROUTE, URGENT, TONE], debias="content_free")
-    assert len(engine._content_free) == 1
+    assert len(engine.prior_memo) == 1
     engine.content_free_entries = 1
     _same(got, _cold(engine, STATES[2], [ROUTE, URGENT, TONE]))
 
@@ -157,7 +157,7 @@ def test_a_pass_cancelled_part_way_keeps_no_prior_and_the_next_request_is_exact(
     with pytest.raises(Cancelled) as stopped:
         engine.score(STATES[0], [ROUTE, URGENT], debias="content_free", cancel=cancel)
     assert stopped.value.done == 0  # none of the request's own questions was answered
-    assert len(engine._content_free) == 0
+    assert len(engine.prior_memo) == 0
     got = engine.score(STATES[0], [ROUTE, URGENT], debias="content_free")
     assert [d.content_free["held"] for d in got.distributions] == [False, False]
     _same(got, _cold(engine, STATES[0], [ROUTE, URGENT]))
@@ -545,7 +545,7 @@ def test_a_batched_request_cancelled_in_its_content_free_pass_keeps_nothing_and_
             return len(asked) > 1
 
         stopped, other = execute_batch(batched, plans, [stop_in_the_pass, None])
-        assert isinstance(stopped, Cancelled) and len(batched._content_free) == 0
+        assert isinstance(stopped, Cancelled) and len(batched.prior_memo) == 0
         assert other.distributions[0].debias == "none"
     finally:
         batched.close()

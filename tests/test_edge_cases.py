@@ -103,7 +103,7 @@ def test_the_tiny_model_really_scores_the_ruled_out_label_minus_infinity(ruled_o
 
 @pytest.mark.parametrize("debias", ["none", "reverse", "content_free"])
 def test_a_label_at_minus_infinity_in_every_variant_gets_probability_zero_not_nan_or_500(ruled_out_engine, debias):
-    from semif.serving.engine.context import RULED_OUT_LOGIT
+    from semif.serving.engine.readout import RULED_OUT_LOGIT
 
     with _app_client(ruled_out_engine) as http:
         first = http.post("/invocations", json={**THREE, "debias": debias, "return_prompt": True})

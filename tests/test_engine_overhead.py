@@ -8,8 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from semif.serving.engine.context import Engine, _token_logprobs, _tokens_key
+from semif.serving.engine.context import Engine
 from semif.serving.engine.prompt import Outcome, Question
+from semif.serving.engine.readout import token_logprobs, tokens_key
 
 ROUTE = Question("Which queue?", (Outcome("billing", "Invoices and refunds."), Outcome("shipping", "Parcels.")))
 TEXTS = [
@@ -47,7 +48,7 @@ def test_the_memo_key_hashes_the_prefix_once_and_equals_the_full_key(engine):
     second = [[1, 2, 3], [4, 6]]
     for prefix, suffix, labels in [(first, [7], [9, 10]), (first, [8], [9, 10]), (second, [7], [9, 10]),
                                    (first, [7], [9, 11])]:
-        assert engine._memo_key(prefix, suffix, labels) == _tokens_key(prefix, suffix, labels)
+        assert engine._memo_key(prefix, suffix, labels) == tokens_key(prefix, suffix, labels)
         assert engine._memo_prefix[0] is prefix
     assert engine._memo_key(first, [7], [9, 10]) != engine._memo_key(second, [7], [9, 10])
 
@@ -63,7 +64,7 @@ def test_cloze_log_probabilities_from_a_float32_logsumexp_equal_a_float64_log_so
     peak = as64.max(axis=1, keepdims=True)
     full = as64 - peak - np.log(np.exp(as64 - peak).sum(axis=1, keepdims=True))
     expected = sum(full[i, t] for i, t in enumerate(answer))
-    assert abs(float(_token_logprobs(stacked, answer).sum()) - expected) < 1e-5
+    assert abs(float(token_logprobs(stacked, answer).sum()) - expected) < 1e-5
 
 
 def test_clearing_only_the_caches_metadata_leaves_later_answers_exact(engine, memo_off, snapshots_off, model_path):

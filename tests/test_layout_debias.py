@@ -9,7 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from semif.serving.engine.context import combine_orders, softmax
+from semif.serving.engine.context import softmax
+from semif.serving.engine.passes.orders import combine_orders
 from semif.serving.engine.prompt import Outcome, Question
 from serving import start_cold
 

@@ -148,7 +148,7 @@ def test_invalid_requests_get_400_invalid_request_error_naming_the_param(client,
 
 
 @pytest.mark.parametrize("field, value", [("second_look", {"below_margin": 0.5}), ("policy", {"min_probability": 0.9}),
-                                          ("return_prompt", True), ("scoring", "sequence")])
+                                          ("return_prompt", True), ("scoring", "sequence"), ("reads", 2)])
 def test_semif_fields_are_refused_naming_the_field_never_ignored(client, field, value):
     error = _error(decide(client, [PREDICATE], **{field: value}))
     assert error["param"] == field and error["code"] == "unsupported_parameter"

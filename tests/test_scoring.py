@@ -409,7 +409,7 @@ def test_engine_asks_llama_cpp_for_the_full_sliding_window_cache_explicitly(engi
 
 
 def test_default_context_is_the_models_training_context_capped_at_8192(engine, model_path):
-    from semif.serving.engine.context import DEFAULT_N_CTX_CAP, default_n_ctx
+    from semif.serving.engine.machine import DEFAULT_N_CTX_CAP, default_n_ctx
 
     metadata = engine.llm.metadata  # the GGUF header as llama-cpp-python reads it
     trained = int(metadata[f"{metadata['general.architecture']}.context_length"])

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from semif.serving.engine.passes import second_look as second_look_pass
 from serving import start_cold
 
 # Each answer is compared with a cold evaluation of the same question: a memo hit would compare it with itself.
@@ -201,7 +202,7 @@ def test_the_second_looks_deadline_bounds_the_state_it_evaluates_again(small_bat
     assert state_tokens > 16 * engine.n_batch
     batches = _timed_batches(engine, monkeypatch)
     looks: list[float] = []
-    real = engine._second_look
+    real = second_look_pass.look
 
     def timed(*args):
         started = time.perf_counter()
@@ -210,7 +211,7 @@ def test_the_second_looks_deadline_bounds_the_state_it_evaluates_again(small_bat
         finally:
             looks.append(time.perf_counter() - started)
 
-    monkeypatch.setattr(engine, "_second_look", timed)
+    monkeypatch.setattr(second_look_pass, "look", timed)
     deadline_s = 0.2
     response = client.post("/v1/semif", json={**LOOKS_AGAIN_FROM_THE_STATE,
                                               "second_look": {**ALWAYS, "max_tokens": 64, "deadline_ms": 200}})
@@ -235,15 +236,15 @@ def test_the_request_deadline_stops_the_state_the_second_look_evaluates_again(sm
     client, engine = small_batches
     batches = _timed_batches(engine, monkeypatch)
     passed: list[float] = []
-    real = engine._second_look
+    real = second_look_pass.look
 
-    def deadline_passes_as_it_starts(plan, index, prefix, first, cancel):
+    def deadline_passes_as_it_starts(core, plan, index, prefix, first, cancel):
         if not passed:
             cancel.deadline = cancel.clock() - 1e-3  # the request's own deadline (SEMIF_REQUEST_DEADLINE_S)
             passed.append(time.perf_counter())
-        return real(plan, index, prefix, first, cancel)
+        return real(core, plan, index, prefix, first, cancel)
 
-    monkeypatch.setattr(engine, "_second_look", deadline_passes_as_it_starts)
+    monkeypatch.setattr(second_look_pass, "look", deadline_passes_as_it_starts)
     response = client.post("/v1/semif", json={**LOOKS_AGAIN_FROM_THE_STATE,
                                               "second_look": {**ALWAYS, "max_tokens": 64, "deadline_ms": 120_000}})
     stopped_s = time.perf_counter() - passed[0]
@@ -415,7 +416,7 @@ def test_binary_second_look_does_not_ask_for_a_bare_reply(engine):
 
     question = Question("Does the customer ask for money back?", (Outcome("true"), Outcome("false")), "binary")
     planned = engine.plan(TICKET, [question])
-    text = engine.llm.detokenize(engine._second_look_suffix(planned, planned.questions[0])).decode()
+    text = engine.llm.detokenize(second_look_pass.suffix_tokens(engine, planned, planned.questions[0])).decode()
     labels = list(planned.questions[0].labels[:2])
     assert "Reply " not in text and "Think it through" in text and ", ".join(labels) in text
 

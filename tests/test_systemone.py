@@ -260,7 +260,7 @@ def test_invalid_requests_get_422_with_a_detail_list_naming_the_field(client, bo
 
 
 @pytest.mark.parametrize("field, value", [("policy", {"min_probability": 0.9}), ("return_prompt", True),
-                                          ("scoring", "sequence")])
+                                          ("scoring", "sequence"), ("reads", 2)])
 def test_semif_fields_are_refused_naming_the_field_never_ignored(client, field, value):
     detail = _detail_list(ask(client, {"q": NOUL}, **{field: value}))
     assert detail[0]["loc"] == ["body", field] and detail[0]["type"] == "extra_forbidden"

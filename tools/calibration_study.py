@@ -72,7 +72,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def variants(rec: dict, offsets: dict[int, np.ndarray] | None) -> dict[str, np.ndarray]:
-    from semif.serving.engine.context import content_free_shift  # what the adapter subtracts, abstain kept or not
+    from semif.serving.engine.passes.prior import content_free_shift  # what the adapter subtracts, abstain kept or not
 
     raw = np.asarray(rec["raw_logits"], dtype=np.float64)
     a = rec["abstain_index"]

@@ -157,6 +157,12 @@ def recompute_logits(record: dict, model_path: str | Path, *, context: Optional[
             # label the raw answer rules out stays ruled out).
             shifted = np.asarray(logits, dtype=np.float64) - np.asarray(prior, dtype=np.float64)
             return [RULED_OUT_LOGIT if raw <= RULED_OUT_LOGIT else float(v) for raw, v in zip(logits, shifted)]
+        if record.get("reads") is not None:
+            # debias "rotations": the mean of every read's log-probabilities (this record is the first read,
+            # in its own order), each put back in the given order.
+            reads = [(logits, record["order"])] + [(_order_logits(context, r), r["order"]) for r in record["reads"]]
+            total = sum(_log_softmax(_in_given(shown, order)) for shown, order in reads)
+            return (total / len(reads)).tolist()
         reversed_ = record.get("reversed")
         if reversed_ is None:
             return logits
@@ -169,6 +175,14 @@ def recompute_logits(record: dict, model_path: str | Path, *, context: Optional[
     finally:
         if own:
             context.close()
+
+
+def _in_given(shown: Sequence[float], order: Sequence[int]) -> list[float]:
+    """Logits in shown order put back in the given order (``order[p]``: the option shown at position p)."""
+    out = [0.0] * len(shown)
+    for position, original in enumerate(order):
+        out[original] = shown[position]
+    return out
 
 
 def answers_of(body: dict) -> list[dict]:
@@ -193,6 +207,8 @@ def whole_record(record: dict, shared: list[dict]) -> dict:
     whole["segments"] = list(shared[:count]) + list(record["segments"])
     if record.get("reversed"):
         whole["reversed"] = whole_record(record["reversed"], shared)
+    if record.get("reads"):
+        whole["reads"] = [whole_record(r, shared) for r in record["reads"]]
     return whole
 
 

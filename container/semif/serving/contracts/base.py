@@ -113,8 +113,10 @@ class Job:
     question_fields: Optional[list[str]] = None
     question_names: Optional[list[str]] = None
     budget_field: str = "questions"
-    # Debiasing ("none" | "reverse" | "content_free"); None: the server default (SEMIF_DEBIAS).
+    # Debiasing ("none" | "reverse" | "content_free" | "rotations"); None: the server default (SEMIF_DEBIAS).
     debias: Optional[str] = None
+    # debias "rotations": the orders read per question as the request asked; None: the stop rule decides.
+    reads: Optional[int] = None
     # Prompt layout and injection check as the request asked (None: the server's default), and the
     # contract's name for the layout field (errors name it).
     layout: Optional[str] = None

@@ -23,7 +23,7 @@ MODEL_ALIASES = ("gpt-6-luna",)
 MAX_SCORE_LEVELS = 10
 _MESSAGE_ROLES = ("user", "developer", "system", "assistant")
 # SemIf's fields that this contract does not carry: refused when sent (not null), never silently ignored.
-SEMIF_ONLY = ("second_look", "policy", "return_prompt", "scoring")
+SEMIF_ONLY = ("second_look", "policy", "return_prompt", "scoring", "reads")
 UNSUPPORTED = "is a SemIf field that OpenAI Decisions requests do not take (send it to /v1/semif)"
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..engine.context import ScoreResult
+from ..engine.plan import MAX_READS
 from ..engine.prompt import TEMPLATE_VERSION, Outcome, Question, options_sha256
 from ..postprocess.policy import Policy, PolicyError
 from .base import (Job, Limits, RequestError, RunContext, SecondLookBudget, SecondLookSpec, excerpt, first_validation_error,
@@ -106,8 +107,12 @@ class SingleRequest(_Strict):
     injection_check: Optional[bool] = None
     # Debiasing: "reverse" scores each decision in the given and the reversed option order and combines
     # both; "content_free" divides out the model's prior for each option (its answer for the state "N/A");
-    # None takes the server default (SEMIF_DEBIAS).
-    debias: Optional[Literal["none", "reverse", "content_free"]] = None
+    # "rotations" reads the options in a canonical order and its rotations; None takes the server default
+    # (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse", "content_free", "rotations"]] = None
+    # debias "rotations": how many orders to read each decision in (the canonical order first); absent: read
+    # while the combined answer could still change (engine/passes/orders.py).
+    reads: Optional[int] = Field(default=None, ge=1, le=MAX_READS)
     # Opt-in: the model reasons within a budget before the label is read again, for ambiguous answers.
     second_look: Optional[SecondLookSpec] = None
 
@@ -122,8 +127,12 @@ class BatchRequest(_Strict):
     injection_check: Optional[bool] = None
     # Debiasing: "reverse" scores each decision in the given and the reversed option order and combines
     # both; "content_free" divides out the model's prior for each option (its answer for the state "N/A");
-    # None takes the server default (SEMIF_DEBIAS).
-    debias: Optional[Literal["none", "reverse", "content_free"]] = None
+    # "rotations" reads the options in a canonical order and its rotations; None takes the server default
+    # (SEMIF_DEBIAS).
+    debias: Optional[Literal["none", "reverse", "content_free", "rotations"]] = None
+    # debias "rotations": how many orders to read each decision in (the canonical order first); absent: read
+    # while the combined answer could still change (engine/passes/orders.py).
+    reads: Optional[int] = Field(default=None, ge=1, le=MAX_READS)
     # Opt-in: the model reasons within a budget before the label is read again, for ambiguous answers.
     second_look: Optional[SecondLookSpec] = None
 
@@ -218,6 +227,12 @@ def parse(body: Any, limits: Limits) -> Job:
                 if content_free.get("abstain_kept") is not None:
                     content_free["abstain_kept"] = decision.options[content_free["abstain_kept"]].id
                 prompt["content_free"] = content_free
+            if getattr(dist, "reads", None) is not None:
+                # debias "rotations": each read's order (option ids as shown) and answer (in the given order),
+                # and why no further order was read.
+                prompt["reads"] = [dict(read, order=[decision.options[i].id for i in read["order"]])
+                                   for read in dist.reads]
+                prompt["reads_stopped"] = dist.reads_stopped
             if getattr(dist, "temperature", None) is not None:
                 prompt["temperature"] = dist.temperature  # the native model's own, applied to the logits
             if request.return_prompt:
@@ -293,6 +308,7 @@ def parse(body: Any, limits: Limits) -> Job:
         injection_check=request.injection_check,
         layout_field="layout",
         debias=request.debias,
+        reads=request.reads,
     )
     resolve_layout(job, "state_first")  # an explicit options_first with several decisions: 422 now
     if request.second_look is not None:

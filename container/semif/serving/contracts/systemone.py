@@ -90,7 +90,7 @@ class SystemOneRequest(_Lenient):
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
     # Our extension: debiasing ("none" | "reverse" | "content_free"); absent: the server default (SEMIF_DEBIAS).
-    debias: Optional[Literal["none", "reverse", "content_free"]] = None
+    debias: Optional[Literal["none", "reverse", "content_free", "rotations"]] = None
     # Our extension: the opt-in second look for ambiguous answers (contracts/base.py, SecondLookSpec).
     second_look: Optional[SecondLookSpec] = None
 
@@ -234,7 +234,7 @@ def _unit(x: float) -> float:
 
 # SemIf's fields that this contract does not carry. Unknown fields are ignored, as the API does; these are
 # refused when sent (not null), since a client asking for them would otherwise get neither, with no sign.
-SEMIF_ONLY = ("policy", "return_prompt", "scoring")
+SEMIF_ONLY = ("policy", "return_prompt", "scoring", "reads")
 
 
 def _refuse_semif_fields(body: dict) -> None:

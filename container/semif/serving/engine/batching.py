@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 
+from .passes import prior
 from .plan import PromptPlan, QuestionPlan
 
 MAX_N_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ; llama_max_parallel_sequences() says it at run time
@@ -108,6 +109,7 @@ def batchable(engine, plan: PromptPlan) -> bool:
         # step reads one label row per question from one shared prefix.
         and plan.injection_check is None
         and plan.second_look is None
+        and getattr(plan, "debias", "none") != "rotations"  # each read decides whether the next is read: serial
         and all(q.reversed is None and q.temperature is None and q.own_prefix_segments is None for q in plan.questions)
     )
 
@@ -138,7 +140,7 @@ def execute_batch(engine, plans: Sequence[PromptPlan], cancels: Optional[Sequenc
             for acc in accounts.values():
                 if acc.plan.content_free is not None:
                     try:
-                        acc.priors = engine.content_free_priors(acc.plan, acc.cancel)
+                        acc.priors = prior.evaluate_alone(engine, acc.plan, acc.cancel)
                     except Exception as failed:  # this request's own failure (the context was emptied): the others go on
                         acc.error = failed
             while queue:
@@ -156,7 +158,7 @@ def execute_batch(engine, plans: Sequence[PromptPlan], cancels: Optional[Sequenc
         else:
             outcomes[i] = _result(acc, elapsed_ms)
             if acc.priors is not None:
-                outcomes[i] = engine.apply_content_free(outcomes[i], acc.priors)
+                outcomes[i] = prior.apply_to_result(outcomes[i], acc.priors)
     for i in serial:  # exact serial path, after the batch (it takes the engine lock itself)
         stats.serial_fallbacks += 1
         try:

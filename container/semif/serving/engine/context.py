@@ -1,7 +1,9 @@
-"""The scoring engine: one llama.cpp context, a token-prefix cache, and logits read after one forward pass.
+"""The scoring core: one llama.cpp context, a token-prefix cache, and logits read after one forward pass.
 
 Knows llama.cpp, tokens and prompts; knows nothing of HTTP or JSON shapes. Not thread-safe: one
-computation at a time (the HTTP layer's admission control guarantees that).
+computation at a time (the HTTP layer's admission control guarantees that). The decision-level passes
+(option orders, injection checks, content-free priors, the second look) are modules of their own in
+``passes/``, which says what they may call here; ``Engine._execute`` runs them in turn.
 """
 
 from __future__ import annotations
@@ -13,23 +15,26 @@ import hashlib
 import logging
 import math
 import os
-import platform
-import subprocess
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .machine import cpu_name, default_n_ctx, ggml_type_name, gpu_name
 from .manifest import sha256_file
 from .native import NativeDecision, ScoringUnsupported, build_native_plan, read_native_decision
-from .plan import (CONTENT_FREE_STATE, DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, SecondLook,
-                   SecondLookUnsupported, TokenBudgetExceeded, _question_tokens, build_plan)
-from .prompt import SECOND_LOOK_CUE, SECOND_LOOK_VERSION, Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
+from .passes import Answers, injection, orders, prior, rotations
+from .passes import second_look as second_look_pass
+from .plan import (DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, SecondLook,
+                   TokenBudgetExceeded, build_plan)
+from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
+from .readout import label_logits, token_logprobs, tokens_digest
 from .results import Cancelled, Distribution, ScoreResult, softmax
+from .token_cache import TokenCache
 
 __all__ = ["Cancelled", "Distribution", "Engine", "EngineError", "LabelError", "PlanError", "PromptPlan",
            "PromptTooLong", "ScoreResult", "TokenBudgetExceeded", "softmax"]
@@ -38,9 +43,6 @@ log = logging.getLogger("semif.engine")
 
 SEQ = 0  # the one sequence this context holds
 LABEL_MEMO_SIZE = 256  # identical prompts remembered (label logits only: a few floats each)
-# Content-free priors kept (debias "content_free"): one per distinct question and option set, a few floats
-# each. A decision service asks a few dozen recurring decisions; an evicted prior is evaluated again.
-CONTENT_FREE_ENTRIES = 1024
 TEMPLATE_TOKENS_CACHE_SIZE = 1024  # distinct template strings kept tokenized (see Engine._tokenize)
 # Only strings up to this many characters are kept there, at most TEMPLATE_TOKENS_CACHE_CHARS in all: template
 # pieces are short, and text with client content in it (a question block, options) must not fill memory.
@@ -53,194 +55,6 @@ PREFIX_SNAPSHOT_MIN_TOKENS = 32
 PREFIX_SEEN_SIZE = 4096  # prefix boundaries whose request count is remembered (a hash and a count each)
 
 
-def _token_logprobs(rows: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
-    """log-softmax(rows[i])[tokens[i]] for each i, computed for those entries only: a logsumexp per row
-    (exp in float32 on the raw logits, the sum accumulated in float64), not a float64 copy of every row's
-    full log-softmax. The float32 exponentials are within 1e-7 relative of float64 ones, far below any
-    difference between answers (logits come out of the model as float32)."""
-    peak = rows.max(axis=1)
-    sums = np.exp(rows - peak[:, None]).sum(axis=1, dtype=np.float64)
-    picked = rows[np.arange(len(tokens)), np.asarray(tokens, dtype=np.int64)].astype(np.float64)
-    return picked - peak.astype(np.float64) - np.log(sums)
-
-
-def _tokens_digest(parts: Sequence[Sequence[int]], digest=None):
-    digest = digest if digest is not None else hashlib.sha256()
-    for part in parts:
-        digest.update(np.asarray(part, dtype=np.int64).tobytes())
-        digest.update(b"|")
-    return digest
-
-
-def _logsumexp(values: Sequence[float]) -> float:
-    """log Σ exp(values); -inf when every value is -inf (the model rules them all out), never NaN for that."""
-    array = np.asarray(values, dtype=np.float64)
-    peak = array.max()
-    if not np.isfinite(peak):
-        return float(peak)  # -inf: all ruled out; +inf or NaN: passed on for _label_logits to refuse
-    return float(peak + np.log(np.exp(array - peak).sum()))
-
-
-def combine_orders(given: Sequence[float], reversed_: Sequence[float]) -> list[float]:
-    """Order debiasing: the average of the two orders' log-probabilities (both indexed by the given
-    order), as logits; their softmax is the renormalised combined distribution."""
-    first = np.log(np.clip(np.asarray(softmax(given)), 1e-300, None))
-    second = np.log(np.clip(np.asarray(softmax(reversed_)), 1e-300, None))
-    return ((first + second) / 2).tolist()
-
-
-CONTENT_FREE_FLOOR = math.log(1e-4)  # the smallest content-free probability divided out (_apply_prior)
-
-
-class _Priors(NamedTuple):
-    """debias "content_free": per question, its prior and whether it was held; tokens evaluated for them."""
-
-    priors: list[list[float]]
-    held: list[bool]
-    evaluated_tokens: int
-    per_question: list[int]  # of those, each question's (its content-free suffix, the prefix with the first)
-    # Per question, the index of the option its caller marked as the abstain option (kept: _apply_prior).
-    abstain: tuple[Optional[int], ...]
-    # Leading prefix tokens the answer shares with the content-free prompt (the template head) that this
-    # request's pass decoded, not an earlier request: the answer reused them, but they were not "cached".
-    fresh_shared: int = 0
-
-
-def _log_softmax(logits: Sequence[float]) -> list[float]:
-    values = np.asarray(logits, dtype=np.float64)
-    return (values - _logsumexp(values)).tolist()
-
-
-def _abstain_indices(plan: PromptPlan) -> tuple[Optional[int], ...]:
-    """Each question's abstain option (an index in the given order), as its caller marked it, or None."""
-    return tuple(q.question.abstain for q in plan.questions)
-
-
-def _with_priors(distributions: list[Distribution], priors: _Priors) -> list[Distribution]:
-    """Each answer with its prior divided out. The first answer reused the template head that this request's
-    content-free pass decoded: its record counts those tokens as evaluated, as a cold answer's does."""
-    out = [_apply_prior(d, p, h, e, a)
-           for d, p, h, e, a in zip(distributions, priors.priors, priors.held, priors.per_question, priors.abstain)]
-    first_pass = next((i for i, held in enumerate(priors.held) if not held), None)
-    if out and priors.fresh_shared and first_pass is not None and out[0].evaluated_tokens > 0:  # not a memo answer
-        # Moved, not added: from the first answer's reused tokens to its evaluated ones, and out of the
-        # content-free record of the question whose pass decoded them, so the records still add up.
-        moved = min(priors.fresh_shared, out[0].cached_tokens, out[first_pass].content_free["evaluated_tokens"])
-        out[0].cached_tokens -= moved
-        out[0].evaluated_tokens += moved
-        out[first_pass].content_free["evaluated_tokens"] -= moved
-    return out
-
-
-def content_free_shift(prior: Sequence[float], abstain: Optional[int] = None) -> np.ndarray:
-    """What content-free calibration subtracts from each raw logit.
-
-    Without an abstain option: the content-free log-prior, so that each probability is divided by the option's
-    content-free probability (renormalised) and the content-free state itself answers uniformly. A prior below
-    CONTENT_FREE_FLOOR counts as the floor: an option the model all but rules out when the state says nothing
-    is not made a near-certainty by dividing by almost zero.
-
-    With the caller's abstain option (``abstain``, an index): a content-free state is itself a reason to
-    abstain, so that option keeps its content-free share, and only the bias among the other options is divided
-    out: on the content-free state the answer is the abstain option's content-free probability, the rest shared
-    equally among the others. The abstain option's logit is not shifted; the others are shifted by their log-prior
-    less log((1 - p_abstain) / (n - 1)). Measured on labeled decisions: docs/benchmarks.md, "Calibration and
-    abstention"."""
-    log_prior = np.asarray(prior, dtype=np.float64)
-    shift = np.maximum(log_prior, CONTENT_FREE_FLOOR)
-    n = len(shift)
-    if abstain is None or n < 2:
-        return shift
-    rest = max(1.0 - softmax(prior)[abstain], math.exp(CONTENT_FREE_FLOOR))
-    shift = shift - math.log(rest / (n - 1))
-    shift[abstain] = 0.0
-    return shift
-
-
-def _apply_prior(dist: Distribution, prior: Sequence[float], held: bool, evaluated: int = 0,
-                 abstain: Optional[int] = None) -> Distribution:
-    """Contextual calibration: the raw logits less content_free_shift (each probability divided by the
-    option's content-free probability, renormalised; the caller's abstain option keeps its content-free share).
-    The raw answer stays in ``content_free``."""
-    raw = list(dist.option_logits)
-    # An option the answer itself rules out stays ruled out (probability exactly 0), whatever its prior.
-    applied = content_free_shift(prior, abstain)
-    shifted = np.asarray(raw, dtype=np.float64) - applied
-    dist.option_logits = [RULED_OUT_LOGIT if r <= RULED_OUT_LOGIT else float(v) for r, v in zip(raw, shifted)]
-    dist.content_free = {"state": CONTENT_FREE_STATE, "prior": softmax(prior), "held": held,
-                         "evaluated_tokens": evaluated, "option_logits": raw, "probabilities": dist.probabilities}
-    if abstain is not None:
-        dist.content_free["abstain_kept"] = abstain
-    dist.probabilities = softmax(dist.option_logits)
-    dist.debias = "content_free"
-    if dist.recompute is not None:
-        # The raw logits are recomputed from the segments; the prior, as applied, is subtracted from them.
-        dist.recompute = dict(dist.recompute, content_free_log_prior=applied.tolist())
-    return dist
-
-
-def _tokens_key(prefix: Sequence[Sequence[int]], suffix: Sequence[int], label_ids: Sequence[int]) -> bytes:
-    return _tokens_digest((suffix, label_ids), _tokens_digest(prefix)).digest()
-
-
-# The logit reported for a label the model rules out (-inf in every variant): finite, so that JSON can
-# carry it, and far below any real logit, so its probability is exactly 0 (as sequence scoring's floor).
-RULED_OUT_LOGIT = -1e30
-
-
-def _label_logits(row: np.ndarray, variants: Sequence[Sequence[int]]) -> tuple[list[float], float]:
-    """(one logit per label: the log-sum-exp of its variants' logits, label mass: the share of the
-    whole next-token distribution on all the labels' tokens; one log-sum-exp over the vocabulary row).
-    A label at -inf in every variant gets RULED_OUT_LOGIT; when every label is, the mass is 0 and the
-    probabilities come out uniform. NaN or +inf logits mean a broken model: an EngineError, not an answer."""
-    logits = [_logsumexp([float(row[t]) for t in v]) if len(v) > 1 else float(row[v[0]]) for v in variants]
-    total = _logsumexp(row)
-    if any(math.isnan(x) or x == math.inf for x in logits) or not math.isfinite(total):
-        raise EngineError(f"the model produced non-finite logits at the answer position (vocabulary log-sum-exp {total}, "
-                          f"label logits {[round(x, 3) for x in logits]}); this GGUF cannot be scored")
-    mass = float(np.exp(_logsumexp(logits) - total)) if logits else 0.0
-    return [x if x != -math.inf else RULED_OUT_LOGIT for x in logits], min(1.0, mass)
-
-
-DEFAULT_N_CTX_CAP = 8192  # what SEMIF_N_CTX defaults to at most: System One's 255 described options need ~4.7k
-FALLBACK_N_CTX = 4096  # a model that does not say its training context
-
-
-def default_n_ctx(model_path: str | os.PathLike) -> int:
-    """The context size when SEMIF_N_CTX is unset: the model's training context, capped at 8192
-    (enough for the largest standard requests; a bigger context only costs memory). Read from the
-    GGUF header of a vocabulary-only load: no weights are read."""
-    import llama_cpp
-    from llama_cpp._utils import suppress_stdout_stderr
-
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = True
-    with suppress_stdout_stderr(disable=False):  # llama.cpp prints its loader log otherwise
-        model = llama_cpp.llama_model_load_from_file(str(model_path).encode("utf-8"), params)
-    if not model:
-        return FALLBACK_N_CTX
-    try:
-        buf = ctypes.create_string_buffer(256)
-        trained = 0
-        if llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf)) > 0:
-            key = buf.value + b".context_length"
-            if llama_cpp.llama_model_meta_val_str(model, key, buf, len(buf)) > 0 and buf.value.isdigit():
-                trained = int(buf.value)
-    finally:
-        llama_cpp.llama_model_free(model)
-    return min(trained, DEFAULT_N_CTX_CAP) if trained > 0 else FALLBACK_N_CTX
-
-
-def _ggml_type_name(value: int) -> str:
-    """The KV cache element type's name ("f16"), from llama_cpp's GGML_TYPE_* constants."""
-    import llama_cpp
-
-    for name in dir(llama_cpp):
-        if name.startswith("GGML_TYPE_") and getattr(llama_cpp, name) == value:
-            return name[len("GGML_TYPE_"):].lower()
-    return str(value)
-
-
 def recompute_segments(segments: Sequence[Sequence[int]], start: int = 0) -> list[dict]:
     """Segments as the recompute record lists them: each one's first position and tokens (the first at ``start``)."""
     out, pos = [], start
@@ -250,27 +64,6 @@ def recompute_segments(segments: Sequence[Sequence[int]], start: int = 0) -> lis
     return out
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _gpu_name() -> Optional[str]:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=5
-        )
-        names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
-        return ", ".join(names) or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 @dataclass
 class _PrefixSnapshot:
     """The KV of one sequence holding exactly ``segments`` (llama_state_seq_get_data's bytes)."""
@@ -278,53 +71,6 @@ class _PrefixSnapshot:
     segments: tuple[tuple[int, ...], ...]
     n_tokens: int
     data: np.ndarray  # uint8
-
-
-class _TokenCache:
-    """Tokens of short strings by (text, add_bos), least recently used dropped first; bounded by entries
-    and by the total characters of the strings it holds, each of which is at most ``max_chars`` long
-    (a longer one is tokenized on every call, never kept). Thread-safe: plans are built off the model thread."""
-
-    def __init__(self, tokenize: Callable[[str, bool], tuple], *, max_entries: int, max_chars: int, max_total_chars: int):
-        self._tokenize = tokenize
-        self.max_entries, self.max_chars, self.max_total_chars = max_entries, max_chars, max_total_chars
-        self._entries: "OrderedDict[tuple[str, bool], tuple[int, ...]]" = OrderedDict()
-        self.total_chars = 0
-        self.hits = self.misses = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, text: str, add_bos: bool) -> tuple[int, ...]:
-        key = (text, add_bos)
-        with self._lock:
-            found = self._entries.get(key)
-            if found is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-                return found
-            self.misses += 1
-        tokens = tuple(self._tokenize(text, add_bos))
-        if len(text) > self.max_chars:
-            return tokens
-        with self._lock:
-            if key not in self._entries:
-                self._entries[key] = tokens
-                self.total_chars += len(text)
-                while len(self._entries) > self.max_entries or self.total_chars > self.max_total_chars:
-                    (old, _), _ = self._entries.popitem(last=False)
-                    self.total_chars -= len(old)
-        return tokens
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def cache_info(self):
-        """Hits, misses and size, as functools.lru_cache's ``cache_info`` names them."""
-        return functools._CacheInfo(self.hits, self.misses, self.max_entries, len(self._entries))
-
-    def cache_clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.total_chars = 0
 
 
 def _prefix_key(segments: Sequence[Sequence[int]]) -> int:
@@ -348,7 +94,7 @@ class Engine:
         model_sha256: Optional[str] = None,
         verbose: bool = False,
         n_seq: int = 1,
-        content_free_entries: int = CONTENT_FREE_ENTRIES,
+        content_free_entries: int = prior.CONTENT_FREE_ENTRIES,
     ):
         import llama_cpp  # imported here so the HTTP layer and tools import without a compiled library
 
@@ -398,8 +144,8 @@ class Engine:
         self._model = self.llm._model.model
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         # Template text tokens by (text, add_bos). Bounded by entries (label selection at load tokenizes some
-        # hundreds of cue + label strings) and by characters: only short strings are kept (see _TokenCache).
-        self._template_tokens = _TokenCache(
+        # hundreds of cue + label strings) and by characters: only short strings are kept (see TokenCache).
+        self._template_tokens = TokenCache(
             lambda text, add_bos: self._tokenize_bytes(text.encode("utf-8"), add_bos, True),
             max_entries=TEMPLATE_TOKENS_CACHE_SIZE, max_chars=TEMPLATE_TOKENS_MAX_CHARS,
             max_total_chars=TEMPLATE_TOKENS_CACHE_CHARS,
@@ -441,11 +187,8 @@ class Engine:
         # about an identical state is answered with the logits it already produced (exact by construction).
         self._label_memo: "OrderedDict[bytes, tuple[list[float], float]]" = OrderedDict()
         self.default_debias = "none"  # SEMIF_DEBIAS (serve sets it); a request's `debias` overrides it
-        # debias "content_free": each question's prior (log-probabilities over its labels, in shown order),
-        # keyed by the content-free prompt's exact tokens and label variants (_content_free_priors).
-        self.content_free_entries = max(1, int(content_free_entries))
-        self._content_free: "OrderedDict[bytes, list[float]]" = OrderedDict()
-        self.content_free_passes = 0  # content-free plans evaluated (the others were answered from held priors)
+        # debias "content_free": each question's prior, kept across requests (passes/prior.py).
+        self.prior_memo = prior.PriorMemo(content_free_entries)
         self._memo_prefix: Optional[tuple[list, "hashlib._Hash"]] = None  # (prefix list, its digest): _memo_key
         self._record_prefix: Optional[tuple[list, list[dict]]] = None  # (prefix list, its records): _record_segments
         self._snapshot: Optional[tuple[list[tuple[int, ...]], ctypes.Array]] = None
@@ -480,7 +223,7 @@ class Engine:
             "n_gpu_layers": self.n_gpu_layers,
             "flash_attn": bool(flash_attn),
             "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
-            "hardware": (_gpu_name() if llama_cpp.llama_supports_gpu_offload() else None) or _cpu_name(),
+            "hardware": (gpu_name() if llama_cpp.llama_supports_gpu_offload() else None) or cpu_name(),
             "n_ctx": self.n_ctx,
             "n_swa": self.n_swa,
             "chat_template": self.template.chat_template is not None,
@@ -499,8 +242,8 @@ class Engine:
             "n_batch": n_batch,
             "n_ubatch": n_batch,
             "flash_attn": bool(flash_attn),
-            "type_k": _ggml_type_name(self.llm.context_params.type_k),
-            "type_v": _ggml_type_name(self.llm.context_params.type_v),
+            "type_k": ggml_type_name(self.llm.context_params.type_k),
+            "type_v": ggml_type_name(self.llm.context_params.type_v),
             "swa_full": True,
             "n_gpu_layers": self.n_gpu_layers,
         }
@@ -509,6 +252,7 @@ class Engine:
                              native_decision=self.native.describe(), max_label_options=self.native.describe()["labels"])
             log.info("native decision model: its own template, labels and temperatures are used",
                      extra={"native_decision": self.native.describe()})
+
 
     # ---- tokens -------------------------------------------------------------------------------
 
@@ -527,7 +271,7 @@ class Engine:
         if special:
             # Text that may hold special tokens is template text, a few constant strings per template (head,
             # tail), tokenized once each instead of once per question. Plans also tokenize client text this
-            # way (to see whether special tokens change it): long strings are not kept (_TokenCache).
+            # way (to see whether special tokens change it): long strings are not kept (TokenCache).
             return list(self._template_tokens(text, add_bos))
         return self._tokenize_bytes(text.encode("utf-8"), add_bos, False)
 
@@ -568,6 +312,7 @@ class Engine:
                 return str(value() if callable(value) else value)
         return f"llama-cpp-python-{self._lc.__version__}"
 
+
     def plan(
         self,
         state_text: str,
@@ -588,6 +333,7 @@ class Engine:
         second_look_field: str = "second_look",
         default_debias: Optional[str] = None,
         injection_check_field: str = "injection_check",
+        reads: Optional[int] = None,
     ) -> PromptPlan:
         """Everything per request that does not need the context: fencing, tokens, labels, length and
         budget checks. Safe to call from any thread while the model thread computes: llama.cpp's
@@ -605,27 +351,9 @@ class Engine:
                                 question_names=question_names, budget_field=budget_field,
                                 max_request_tokens=max_request_tokens, layout=layout, injection_check=injection_check,
                                 layout_field=layout_field, debias=debias, default_debias=default_debias,
-                                injection_check_field=injection_check_field)
-            if planned.scoring != "label" or self.native is not None:
-                raise SecondLookUnsupported("the second look reads labels: it needs label scoring on a chat model",
-                                            field=second_look_field)
-            # Worst case: every question looks again with the whole budget: its second-look suffix, the
-            # reasoning, the answer cue and, options-first (the state is the last prefix segment, merged with
-            # the first pass's suffix), the whole prefix once more.
-            cue = len(self._tokenize(SECOND_LOOK_CUE, special=False))
-            again = sum(len(s) for s in planned.prefix_segments) if planned.layout == "options_first" else 0
-            suffixes = tuple(self._second_look_suffix(planned, q) for q in planned.questions)
-            extra = sum(len(s) + second_look.max_tokens + cue + again for s in suffixes)
-            extra += self._prefix_after_checks(planned)
-            planned = replace(planned, second_look=second_look, second_look_tokens=extra,
-                              second_look_suffixes=suffixes)
-            if max_request_tokens is not None and planned.worst_case_tokens > max_request_tokens:
-                over = TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens, field=second_look_field)
-                over.args = (f"{over}; the second look counts, per question, its reasoning budget "
-                             f"({second_look.max_tokens} tokens) and its own prompt: ask for fewer reasoning tokens, "
-                             "or leave the second look out",)
-                raise over
-            return planned
+                                injection_check_field=injection_check_field, reads=reads)
+            return second_look_pass.plan_look(self, planned, second_look, native=self.native is not None,
+                                              max_request_tokens=max_request_tokens, field=second_look_field)
         scoring = scoring or self.default_scoring
         if scoring not in ("label", "sequence"):
             raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
@@ -635,10 +363,15 @@ class Engine:
             # content_free reads label probabilities, so cloze scoring and native decision models keep "none"
             # unless the request asks for it (then they are refused, naming the field).
             debias = default_debias or getattr(self, "default_debias", "none")
-            if debias == "content_free" and (scoring != "label" or self.native is not None):
+            if debias in ("content_free", "rotations") and (scoring != "label" or self.native is not None):
                 debias = "none"
         if debias not in DEBIAS_MODES:
             raise PlanError(f"unknown debias mode {debias!r}; use one of {', '.join(DEBIAS_MODES)}", field="debias")
+        if reads is not None and debias != "rotations":
+            raise PlanError(f"reads applies to debias 'rotations' (this request's debias is {debias!r}): send debias "
+                            "'rotations' with it, or leave reads out", field="reads")
+        if debias == "rotations" and scoring != "label":
+            raise PlanError("debias 'rotations' reads label probabilities: it needs scoring 'label'", field="debias")
         if self.native is not None:
             if scoring != "label":
                 raise ScoringUnsupported("this model is a native decision model, read at its own labels: scoring must be 'label'",
@@ -666,81 +399,18 @@ class Engine:
             question_fields=question_fields, question_names=question_names, budget_field=budget_field,
             layout=layout, layout_field=layout_field, end_of_turn_token=self.end_of_turn_token,
             injection_check_field=injection_check_field, partial_rewind=self.partial_rewind,
+            **({"reads": reads} if reads is not None else {}),  # debias "rotations": see plan.build_plan
         )
-        if debias == "reverse":
-            try:
-                return build_plan(**common, state_text=state_text, state_field=state_field,
+        build = functools.partial(build_plan, **common, state_text=state_text, state_field=state_field,
                                   max_request_tokens=max_request_tokens, return_prompt=return_prompt,
                                   injection_check=injection_check, debias=debias)
-            except TokenBudgetExceeded as over:
-                if over.field != budget_field:
-                    raise  # the injection checks pushed it over: named as such
-                # Over the budget with the reversed order: refused naming what pushed it over when the questions
-                # alone fit (never answered in one order only).
-                alone = build_plan(**common, state_text=state_text, state_field=state_field, max_request_tokens=None,
-                                   return_prompt=False, injection_check=False, debias="none")
-                if alone.worst_case_tokens <= max_request_tokens:
-                    blamed = TokenBudgetExceeded(over.tokens, over.budget, field=budget_field if by_default else "debias")
-                    blamed.args = (f"{over}; with debias 'reverse'{' (the server default)' if by_default else ''} that "
-                                   "counts each question in both option orders: send debias 'none' to leave it out",)
-                    raise blamed from None
-                raise
-        if debias != "content_free":
-            return build_plan(**common, state_text=state_text, state_field=state_field,
-                              max_request_tokens=max_request_tokens, return_prompt=return_prompt,
-                              injection_check=injection_check, debias=debias)
-        if scoring != "label":
-            raise PlanError("debias 'content_free' reads each option's label probability: it needs label scoring",
-                            field="debias")
-        planned = build_plan(**common, state_text=state_text, state_field=state_field, max_request_tokens=max_request_tokens,
-                             return_prompt=return_prompt, injection_check=injection_check, debias=debias)
-        try:
-            content_free = build_plan(**common, state_text=CONTENT_FREE_STATE, state_field="debias",
-                                      max_request_tokens=None, return_prompt=False, injection_check=False, debias="none")
-        except PromptTooLong as too_long:
-            # Refused, by default too: an answer is never given at another calibration than asked.
-            raise PromptTooLong(too_long.tokens, too_long.n_ctx, field="debias",
-                                what="the content-free prompt (debias 'content_free'; send debias 'none' to leave it out)"
-                                ) from None
-        # The prior is read the way the answer is: one segment for state and question where the answer is.
-        content_free = replace(content_free, fuse_state_and_question=planned.fuse_state_and_question)
-        # The budget counts one content-free prompt per distinct question, whether its prior is held or not: what a
-        # request may do depends on the request alone, never on what ran before (a held prior still saves the
-        # compute: the plan keeps it, so it is used even if evicted before execution). Copies of one question share
-        # one prior.
-        held, distinct = [], {}
-        for qplan in content_free.questions:
-            key = self._content_free_key(content_free, qplan)
-            prior = self._content_free.get(key)
-            held.append(tuple(prior) if prior is not None else None)
-            distinct.setdefault(key, qplan.worst_case_tokens)
-        planned = replace(planned, content_free=content_free, content_free_held=tuple(held),
-                          content_free_tokens=content_free.state_tokens + sum(distinct.values()) if distinct else 0)
-        if max_request_tokens is not None and planned.worst_case_tokens > max_request_tokens:
-            # Refused, never answered at another calibration: the answer would depend on its neighbours.
-            over = TokenBudgetExceeded(planned.worst_case_tokens, max_request_tokens,
-                                       field=budget_field if by_default else "debias")
-            over.args = (f"{over}; with debias 'content_free'{' (the server default)' if by_default else ''} that "
-                         f"counts the content-free prompt of each distinct question ({len(distinct)} here): send "
-                         "debias 'none' to leave it out",)
-            raise over
-        return planned
-
-    def _prefix_after_checks(self, plan: PromptPlan) -> int:
-        """Prefix tokens the second look evaluates again because state-first injection checks ran before it:
-        each check's own prefix (its question, then the state) replaced the request's in the context, so the
-        first second look evaluates the request's prefix again, less the leading segments the check's prefix
-        shares with it (the template head) where the context keeps them (_rewind); the looks after it reuse it."""
-        own = [c for c in plan.injection_checks if c.own_prefix_segments is not None]
-        if plan.layout != "state_first" or not own:
-            return 0
-        kept = 0
-        if self.partial_rewind:
-            for mine, theirs in zip(plan.prefix_segments, own[-1].own_prefix_segments):
-                if mine != theirs:
-                    break
-                kept += len(mine)
-        return plan.state_tokens - kept
+        if debias in ("reverse", "rotations"):
+            return orders.plan_orders(build, max_request_tokens=max_request_tokens, budget_field=budget_field,
+                                      by_default=by_default, debias=debias)
+        if debias == "content_free":
+            return prior.plan_priors(self, build, scoring=scoring, max_request_tokens=max_request_tokens,
+                                     budget_field=budget_field, by_default=by_default)
+        return build()
 
     def prefix_segments(self, state_text: str) -> tuple[str, list[list[int]]]:
         """The state prefix as evaluation segments (see ``plan``): the template head, then the fenced
@@ -928,7 +598,7 @@ class Engine:
             for i, (_, _, _, tag) in enumerate(chunk):
                 if tag is not None:
                     row = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,))
-                    out[tag] = _label_logits(row, wanted[tag])
+                    out[tag] = label_logits(row, wanted[tag])
         return out
 
     def settle_sequences(self, seq: int, segments: Sequence[Sequence[int]], n_used: int) -> None:
@@ -1115,6 +785,7 @@ class Engine:
         self.prefix_restored_tokens += entry.n_tokens
         return len(entry.segments)
 
+
     # ---- scoring ------------------------------------------------------------------------------
 
     def score(
@@ -1129,10 +800,11 @@ class Engine:
         injection_check: bool = False,
         debias: Optional[str] = None,
         second_look: Optional[SecondLook] = None,
+        reads: Optional[int] = None,
     ) -> ScoreResult:
         """Plan and execute in one call (tools and tests; the HTTP layer plans before admission)."""
         planned = self.plan(state_text, questions, scoring=scoring, return_prompt=return_prompt, layout=layout,
-                            injection_check=injection_check, debias=debias, second_look=second_look)
+                            injection_check=injection_check, debias=debias, second_look=second_look, reads=reads)
         return self.execute(planned, cancel=cancel)
 
     def execute(self, plan: PromptPlan, *, cancel: Optional[Callable[[], bool]] = None) -> ScoreResult:
@@ -1147,7 +819,7 @@ class Engine:
             # it (_use_prefix_snapshots) and the request's own pass restores, instead of evaluating the state
             # again (a new question, or the other option order, on a held state).
             self._note_prefix(plan.prefix_segments)
-            priors = self._content_free_priors(plan, cancel, started) if plan.content_free is not None else None
+            priors = prior.evaluate(self, plan, cancel, started)
             return self._execute(plan, cancel, started, priors)
 
     @contextlib.contextmanager
@@ -1166,149 +838,69 @@ class Engine:
             self._cancel = None
             self._record_prefix = None  # the records keep what they share; the engine does not keep it
 
-    def _content_free_key(self, content_free: PromptPlan, qplan: QuestionPlan) -> bytes:
-        variants = [t for variant in (qplan.label_variants or ()) for t in (*variant, -1)]
-        # Fused or not, the same tokens decode in other batch shapes (other kernels): part of the key.
-        variants.append(-2 if content_free.fuse_state_and_question else -3)
-        return _tokens_key(content_free.prefix_segments, qplan.suffix_tokens, variants)
+    # ---- what the passes see of the core (passes/__init__.py) ------------------------------------
 
-    def _content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]],
-                             started: float) -> "_Priors":
-        """Each question's content-free prior (log-probabilities over its labels, in shown order): the ones
-        held, else the content-free plan evaluated now (all its questions, so that they share its prefix) and
-        kept. Stored only once the whole pass has succeeded: a pass cancelled or failed part-way keeps nothing."""
-        content_free = plan.content_free
-        keys = [self._content_free_key(content_free, q) for q in content_free.questions]
-        planned = plan.content_free_held or (None,) * len(keys)
-        priors = [self._content_free.get(key) for key in keys]
-        for i, (key, prior) in enumerate(zip(keys, priors)):
-            if prior is None and planned[i] is not None:  # held when planned, evicted since: kept again
-                prior = priors[i] = self._content_free[key] = list(planned[i])
-            if prior is not None:
-                self._content_free.move_to_end(key)
-        missing = [i for i, prior in enumerate(priors) if prior is None]
-        if not missing:
-            return _Priors(priors, [True] * len(keys), 0, [0] * len(keys), _abstain_indices(plan))
-        # Only the questions whose prior is not held, each distinct one once, from the content-free prefix
-        # (evaluated once for them): what the plan's budget counted.
-        first_of: dict[bytes, int] = {}
-        distinct = [i for i in missing if first_of.setdefault(keys[i], i) == i]
-        subset = replace(content_free, questions=tuple(content_free.questions[i] for i in distinct))
-        self._note_prefix(subset.prefix_segments)
-        try:
-            result = self._execute(subset, cancel, started)
-        except Cancelled:
-            raise Cancelled(0, len(plan.questions)) from None  # none of the request's own questions was answered
-        self.content_free_passes += 1
-        evaluated = [0] * len(keys)
-        for i, dist in zip(distinct, result.distributions):
-            priors[i], evaluated[i] = _log_softmax(dist.option_logits), dist.evaluated_tokens
-            self._content_free[keys[i]] = priors[i]
-            self._content_free.move_to_end(keys[i])
-        for i in missing:
-            priors[i] = priors[first_of[keys[i]]]
-        while len(self._content_free) > self.content_free_entries:
-            self._content_free.popitem(last=False)
-        shared = 0
-        for mine, theirs in zip(plan.prefix_segments, content_free.prefix_segments):
-            if mine != theirs:
-                break
-            shared += len(mine)
-        fresh = max(0, shared - result.state_cached_tokens)
-        return _Priors(priors, [i not in missing for i in range(len(keys))], result.evaluated_tokens, evaluated,
-                       _abstain_indices(plan), fresh)
+    @property
+    def content_free_entries(self) -> int:
+        """Content-free priors kept across requests (SEMIF_CONTENT_FREE_ENTRIES)."""
+        return self.prior_memo.entries
 
-    def content_free_priors(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]] = None) -> "_Priors":
-        """The plan's content-free priors (held, or evaluated now on the serial path) for a caller that holds
-        ``lock`` and scores the plan itself (batching.py). Cancelled passes through; any other failure
-        empties the context, as ``execute`` does."""
-        with self._running(plan, cancel):
-            return self._content_free_priors(plan, cancel, time.perf_counter())
+    @content_free_entries.setter
+    def content_free_entries(self, entries: int) -> None:
+        self.prior_memo.entries = max(1, int(entries))
 
-    @staticmethod
-    def apply_content_free(result: ScoreResult, priors: "_Priors") -> ScoreResult:
-        """A result scored without its priors (batching.py), with them divided out, as ``execute`` does."""
-        result.distributions = _with_priors(result.distributions, priors)
-        result.evaluated_tokens += priors.evaluated_tokens
-        moved = min(priors.fresh_shared, result.state_cached_tokens)  # decoded by this request's own pass
-        result.state_cached_tokens -= moved
-        result.cached_tokens -= moved
-        return result
+    @property
+    def content_free_passes(self) -> int:
+        """Content-free plans evaluated (the others were answered from held priors)."""
+        return self.prior_memo.passes
 
     def clear_content_free(self) -> None:
         """Forget every content-free prior (the next content_free request evaluates its own again)."""
-        self._content_free.clear()
+        self.prior_memo.clear()
+
+    def _progress(self, done: int, total: int, *, restart_batch_count: bool = True) -> None:
+        """What a Cancelled raised inside the context reports: ``done`` of ``total`` questions. By default the
+        tokens decoded since the cancel hook was last asked count from 0 again (a new question starts)."""
+        self._cancel_progress = (done, total)
+        if restart_batch_count:
+            self._unchecked_tokens = 0
+
+    def _ends_generation(self, token: int) -> bool:
+        """Whether greedy generation stops at ``token``: the template's end of turn, end of sequence, or any
+        token the vocabulary marks as ending generation."""
+        return token in (self.end_of_turn_token, self.llm.token_eos()) or bool(self._lc.llama_vocab_is_eog(self._vocab, token))
+
+    # ---- one plan: the core's reads, then each pass -----------------------------------------------
 
     def _execute(self, plan: PromptPlan, cancel: Optional[Callable[[], bool]], started: float,
-                 priors: Optional["_Priors"] = None) -> ScoreResult:
-        """Score a plan whose prefix its caller has counted (_note_prefix), its priors already evaluated."""
+                 priors: Optional[prior.Priors] = None) -> ScoreResult:
+        """Score a plan whose prefix its caller has counted (_note_prefix), its priors already evaluated
+        (prior.evaluate): every question read, then the passes in turn (passes/__init__.py)."""
         if not self.prefix_cache:
             self.invalidate()
-        # Where this request's own pass starts decoding; what its content-free pass decoded of the prefix
-        # they share (the template head) is taken off the reuse below (priors.fresh_shared).
+        # Where this request's own reads start decoding; what its content-free pass decoded of the prefix
+        # they share (the template head) is taken off the reuse below (prior.apply).
         self._decoded_from = None
         prefix = [list(s) for s in plan.prefix_segments]
-        prefix_len = plan.state_tokens
-        distributions = []
-        evaluated = memo_suffix_tokens = 0
-        for index, qplan in enumerate(plan.questions):
-            if cancel is not None and cancel():
-                raise Cancelled(index, len(plan.questions))
-            self._cancel_progress, self._unchecked_tokens = (index, len(plan.questions)), 0
-            q_started = time.perf_counter()
-            dist, memo_tokens = self._score_question(plan, qplan, prefix)
-            if qplan.reversed is not None and qplan.reversed.own_prefix_segments is None:
-                dist, memo_tokens = self._debias(plan, qplan, prefix, dist, memo_tokens)
-            dist.compute_ms = (time.perf_counter() - q_started) * 1000
-            evaluated += dist.evaluated_tokens
-            memo_suffix_tokens += memo_tokens
-            distributions.append(dist)
-        suspected: dict[int, float] = {}  # by check (copies of a question share one)
-        for check in plan.injection_checks:
-            if id(check) in suspected:
-                continue
-            if cancel is not None and cancel():
-                raise Cancelled(len(plan.questions), len(plan.questions))
-            self._cancel_progress, self._unchecked_tokens = (len(plan.questions), len(plan.questions)), 0
-            suspected[id(check)], check_evaluated, check_memo = self._injection_check(check, prefix)
-            evaluated += check_evaluated
-            memo_suffix_tokens += check_memo
-        # Options-first with debias: the reversed order has its own prefix (reversed options, then the
-        # state), so it runs last, after everything that reuses the given order's prefix.
-        for index, qplan in enumerate(plan.questions):
-            if qplan.reversed is not None and qplan.reversed.own_prefix_segments is not None:
-                self._cancel_progress = (index, len(plan.questions))
-                q_started = time.perf_counter()
-                given = distributions[index]
-                evaluated -= given.evaluated_tokens
-                dist, memo_tokens = self._debias(plan, qplan, prefix, given, 0)
-                dist.compute_ms = given.compute_ms + (time.perf_counter() - q_started) * 1000
-                evaluated += dist.evaluated_tokens
-                memo_suffix_tokens += memo_tokens
-                distributions[index] = dist
-        if priors is not None:
-            distributions = _with_priors(distributions, priors)
-            evaluated += priors.evaluated_tokens
-        if plan.second_look is not None:
-            for index in range(len(plan.questions)):
-                distributions[index] = self._second_look(plan, index, prefix, distributions[index], cancel)
-                evaluated += distributions[index].second_look.get("evaluated_tokens", 0)
-        for dist, check in zip(distributions, plan.injection_checks):
-            dist.injection_suspected = suspected[id(check)]
-        # One value per request where a contract reports one: the most suspicious of its questions' checks.
-        injection_suspected = max(suspected.values()) if suspected else None
+        answers = self._read_questions(plan, prefix, cancel)
+        injection.run(self, plan, prefix, answers, cancel)
+        orders.read_with_own_prefix(self, plan, prefix, answers)
+        rotations.read_with_own_prefix(self, plan, prefix, answers)
+        prior.apply(answers, priors)
+        second_look_pass.run(self, plan, prefix, answers, cancel)
+        injection_suspected = injection.attach(plan, answers.distributions, answers)
         # Honest reuse: the state prefix counts as cached only up to the first position this request
         # had to evaluate (a later question may re-evaluate what an earlier memo hit skipped).
+        prefix_len = plan.state_tokens
         decoded_from = self._decoded_from
         state_cached = prefix_len if decoded_from is None else min(prefix_len, decoded_from)
-        if priors is not None:
-            state_cached -= min(priors.fresh_shared, state_cached)
+        state_cached -= min(answers.prefix_decoded_by_passes, state_cached)
         return ScoreResult(
-            distributions=distributions,
+            distributions=answers.distributions,
             state_tokens=prefix_len,
             input_tokens=plan.input_tokens,
-            cached_tokens=state_cached + memo_suffix_tokens,
-            evaluated_tokens=evaluated,
+            cached_tokens=state_cached + answers.memo_suffix_tokens,
+            evaluated_tokens=answers.evaluated,
             compute_ms=(time.perf_counter() - started) * 1000,
             state_cached_tokens=state_cached,
             template_version=plan.template_version,
@@ -1317,15 +909,25 @@ class Engine:
             prefix_text=plan.prefix_text if plan.return_prompt else None,
         )
 
-    def _injection_check(self, check: QuestionPlan, prefix: list[list[int]]) -> tuple[float, int, int]:
-        """p(yes) of one injection check. Options-first: scored from the same prefix as its question (the
-        state is already in the context). State-first: from the check's own prefix, its question and options,
-        then the state (INJECTION_CHECK_LAYOUT), so the state is evaluated again.
-        Returns (probability, evaluated tokens, suffix tokens answered by the memo)."""
-        if check.own_prefix_segments is not None:
-            prefix = [list(s) for s in check.own_prefix_segments]
-        dist = self._score_labels(check, prefix, check.suffix_tokens)
-        return dist.probabilities[0], dist.evaluated_tokens, len(check.suffix_tokens) if dist.evaluated_tokens == 0 else 0
+    def _read_questions(self, plan: PromptPlan, prefix: list[list[int]],
+                        cancel: Optional[Callable[[], bool]]) -> Answers:
+        """Every question in the order its plan shows, and right after each, its other orders that share the
+        prefix the context then holds (orders.read_on_held_prefix)."""
+        answers = Answers()
+        total = len(plan.questions)
+        for index, qplan in enumerate(plan.questions):
+            if cancel is not None and cancel():
+                raise Cancelled(index, total)
+            self._progress(index, total)
+            q_started = time.perf_counter()
+            dist, memo_tokens = self._score_question(plan, qplan, prefix)
+            dist, memo_tokens = orders.read_on_held_prefix(self, plan, qplan, prefix, dist, memo_tokens)
+            dist, memo_tokens = rotations.read_on_held_prefix(self, plan, qplan, prefix, dist, memo_tokens)
+            dist.compute_ms = (time.perf_counter() - q_started) * 1000
+            answers.evaluated += dist.evaluated_tokens
+            answers.memo_suffix_tokens += memo_tokens
+            answers.distributions.append(dist)
+        return answers
 
     def _score_question(self, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]]) -> tuple[Distribution, int]:
         """One question in the order its plan shows the outcomes; (distribution with outcomes in that
@@ -1346,173 +948,6 @@ class Engine:
             dist.prompt_text = prefix_text + qplan.text
         return dist, (len(suffix) if dist.evaluated_tokens == 0 else 0)
 
-    def _debias(self, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], given: Distribution,
-                memo_tokens: int) -> tuple[Distribution, int]:
-        """Order debiasing: score the reversed order from the same state prefix (one more question
-        segment; the state is not evaluated again) and combine the two orders (combine_orders)."""
-        back, back_memo = self._score_question(plan, qplan.reversed, prefix)
-        order = qplan.reversed.order
-        n = len(order)
-
-        def unshuffle(values):  # shown order -> given order
-            out = [0.0] * n
-            for shown, original in enumerate(order):
-                out[original] = values[shown]
-            return out
-
-        back_logits = unshuffle(back.option_logits)
-        combined = combine_orders(given.option_logits, back_logits)
-        masses = [m for m in (given.label_mass, back.label_mass) if m is not None]
-        orders = {
-            "given": {"probabilities": given.probabilities, "option_logits": given.option_logits,
-                      "label_mass": given.label_mass},
-            "reversed": {"probabilities": unshuffle(back.probabilities), "option_logits": back_logits,
-                         "label_mass": back.label_mass, "labels": back.labels, "label_token_ids": back.label_token_ids},
-        }
-        recompute = None
-        if plan.return_prompt:
-            orders["reversed"]["prompt_text"] = back.prompt_text
-            # option_logits = combine_orders(given, reversed put back in the given order by ``order``).
-            recompute = dict(given.recompute or {})
-            recompute["reversed"] = dict(back.recompute or {}, order=list(order))
-        dist = Distribution(
-            recompute=recompute,
-            option_logits=combined,
-            probabilities=softmax(combined),
-            tokens=given.tokens + qplan.reversed.input_tokens,
-            cached_tokens=given.cached_tokens + back.cached_tokens,
-            evaluated_tokens=given.evaluated_tokens + back.evaluated_tokens,
-            scoring=given.scoring,
-            label_token_ids=given.label_token_ids,
-            labels=given.labels,
-            prompt_text=given.prompt_text,
-            label_mass=sum(masses) / len(masses) if masses else None,
-            label_variant_ids=given.label_variant_ids,
-            debias="reverse",
-            orders=orders,
-        )
-        return dist, memo_tokens + back_memo
-
-    def _second_look_suffix(self, plan: PromptPlan, qplan: QuestionPlan) -> list[int]:
-        """The second look's suffix tokens after the plan's prefix (PromptTemplate.second_look_suffix_parts)."""
-        template = self.template
-        block, tail = template.second_look_suffix_parts(qplan.question, list(qplan.labels), list(qplan.order), plan.layout)
-        if template.between and not qplan.pieces[0].text.startswith(template.between) and block.startswith(template.between):
-            block = block[len(template.between):]  # the prefix took the blank line after the state (plan._join_across)
-        block_tokens, tail_tokens = _question_tokens(self._tokenize, plan.prefix_text, block, tail)
-        return list(block_tokens) + list(tail_tokens)
-
-    def _second_look(self, plan: PromptPlan, index: int, prefix: list[list[int]], first: Distribution,
-                     cancel: Optional[Callable[[], bool]]) -> Distribution:
-        """The second look (plan.SecondLook) at one answer: nothing when the first pass is clear; else greedy
-        reasoning from the same prefix within the token budget and deadline, then the labels read after
-        SECOND_LOOK_CUE. When no reasoning token fits (deadline, context) the first pass decides. The client
-        going away or the request deadline raises Cancelled, as everywhere in the engine. The context keeps
-        the prefix; the label memo is not used."""
-        qplan = plan.questions[index]
-        config = plan.second_look
-        reason = config.reason(first.probabilities, first.label_mass)
-        if reason is None:
-            first.second_look = {"ran": False, "decided_by": "first_pass"}
-            return first
-        started = time.perf_counter()
-        deadline = started + config.deadline_s
-        suffix = list(plan.second_look_suffixes[index])
-        cue = self._tokenize(SECOND_LOOK_CUE, special=False)
-        base = sum(len(s) for s in prefix) + len(suffix)
-        budget = min(config.max_tokens, self.n_ctx - base - len(cue))
-        first_pass = {"probabilities": first.probabilities, "option_logits": first.option_logits,
-                      "label_mass": first.label_mass}
-        if first.recompute is not None:
-            first_pass["recompute"] = first.recompute  # semif-recompute reproduces the first pass, not the second
-
-        def kept(stopped: str, evaluated: int = 0) -> Distribution:
-            """No reasoning happened: the first pass decides."""
-            first.second_look = {"ran": False, "decided_by": "first_pass", "reason": reason, "stopped": stopped,
-                                 "version": SECOND_LOOK_VERSION, "reasoning_tokens": 0, "evaluated_tokens": evaluated,
-                                 "ms": round((time.perf_counter() - started) * 1000, 3)}
-            first.evaluated_tokens += evaluated
-            return first
-
-        if budget < 1:
-            return kept("context")
-        if time.perf_counter() >= deadline:
-            return kept("deadline")
-        variants = [list(v) for v in first.label_variant_ids or [(t,) for t in first.label_token_ids]]
-        stop_tokens = {self.end_of_turn_token, self.llm.token_eos()}
-        vocab = self._lc.llama_model_get_vocab(self._model)
-        past_deadline = False
-
-        def stop() -> bool:
-            """Asked between the batches of the prefix (evaluated again when a check or the other option order
-            took the context) and the suffix: the request's hook, then this look's own deadline."""
-            nonlocal past_deadline
-            if cancel is not None and cancel():
-                return True
-            past_deadline = time.perf_counter() >= deadline
-            return past_deadline
-
-        outer_cancel, self._cancel = self._cancel, stop
-        decoded_before = self._decoded_tokens
-        try:
-            try:
-                self._ensure_prefix(prefix)
-                rows, reused, evaluated = self._forward(prefix + [suffix], [base - 1])
-            except Cancelled:
-                if not past_deadline:
-                    raise Cancelled(index, len(plan.questions)) from None
-                return kept("deadline", self._decoded_tokens - decoded_before)
-            self._cancel = None  # the loop below asks the hook itself, per token
-            row, position = rows[base - 1], base - 1
-            generated: list[int] = []
-            pieces = bytearray()  # bytes, decoded once: a character may span tokens
-            stopped = "budget"
-            while True:
-                if cancel is not None and cancel():
-                    raise Cancelled(index, len(plan.questions))
-                if len(generated) >= budget:
-                    stopped = "budget"
-                    break
-                if time.perf_counter() >= deadline:
-                    stopped = "deadline"
-                    break
-                token = int(np.argmax(row))
-                if token in stop_tokens or self._lc.llama_vocab_is_eog(vocab, token):
-                    stopped = "end_of_turn"
-                    break
-                generated.append(token)
-                position += 1
-                row = self._decode([token], {position})[position]
-                evaluated += 1
-                pieces += self.llm.detokenize([token], special=True)
-                # "Answer:" on a line of its own or after a sentence, not an echo of the instruction's quote.
-                tail = bytes(pieces[-16:]).rstrip()
-                if tail.endswith(b"Answer:") and not tail.endswith(b'"Answer:'):
-                    stopped = "answer"
-                    break
-            if not generated:
-                return kept(stopped, evaluated)
-            if stopped != "answer":
-                position += len(cue)
-                row = self._decode(cue, {position})[position]
-                evaluated += len(cue)
-            logits, label_mass = _label_logits(row, variants)
-        finally:
-            self._cancel = outer_cancel
-            self._rewind(len(prefix))
-        probabilities = softmax(logits)
-        return Distribution(
-            option_logits=logits, probabilities=probabilities, tokens=first.tokens, cached_tokens=first.cached_tokens,
-            evaluated_tokens=first.evaluated_tokens + evaluated, scoring="label", label_token_ids=first.label_token_ids,
-            labels=first.labels, prompt_text=first.prompt_text, label_mass=label_mass, label_variant_ids=variants,
-            debias=first.debias, orders=first.orders, content_free=first.content_free, compute_ms=first.compute_ms,
-            second_look={
-                "ran": True, "decided_by": "second_look", "reason": reason, "version": SECOND_LOOK_VERSION,
-                "first_pass": first_pass, "reasoning": pieces.decode("utf-8", errors="replace"),
-                "reasoning_tokens": len(generated), "stopped": stopped,
-                "evaluated_tokens": evaluated, "ms": round((time.perf_counter() - started) * 1000, 3),
-            },
-        )
 
     def _ensure_prefix(self, prefix: list[list[int]]) -> None:
         """For models that cannot rewind partially: bring the context to exactly the state prefix and
@@ -1531,13 +966,13 @@ class Engine:
         self._take_snapshot()
 
     def _memo_key(self, prefix: list[list[int]], suffix: Sequence[int], label_ids: Sequence[int]) -> bytes:
-        """``_tokens_key``, with the prefix hashed once per request rather than once per question: the
+        """``readout.tokens_key``, with the prefix hashed once per request rather than once per question: the
         digest of the last prefix list seen is kept, by identity (``_execute`` builds one list per
         request and no one mutates it; holding the reference keeps its id from being reused)."""
         cached = self._memo_prefix
         if cached is None or cached[0] is not prefix:
-            cached = self._memo_prefix = (prefix, _tokens_digest(prefix))
-        return _tokens_digest((suffix, label_ids), cached[1].copy()).digest()
+            cached = self._memo_prefix = (prefix, tokens_digest(prefix))
+        return tokens_digest((suffix, label_ids), cached[1].copy()).digest()
 
     def _record_segments(self, prefix: list[list[int]], suffix: Sequence[int]) -> list[dict]:
         """``recompute_segments(prefix + [suffix])``, the prefix's entries built once per prefix list and shared by
@@ -1568,7 +1003,7 @@ class Engine:
         else:
             self._ensure_prefix(prefix)
             rows, reused, evaluated = self._forward(self._label_segments(prefix, suffix, fuse), [total - 1])
-            logits, label_mass = _label_logits(rows[total - 1], variants)
+            logits, label_mass = label_logits(rows[total - 1], variants)
             if use_memo:
                 self._label_memo[key] = (logits, label_mass)
                 while len(self._label_memo) > LABEL_MEMO_SIZE:
@@ -1616,13 +1051,13 @@ class Engine:
         first_row = rows[prompt_len - 1][None, :]
         scores, per_token = [], []
         for answer in answers:
-            logprobs = [float(_token_logprobs(first_row, answer[:1])[0])]
+            logprobs = [float(token_logprobs(first_row, answer[:1])[0])]
             tail = answer[:-1]
             if tail:
                 positions = list(range(prompt_len, prompt_len + len(tail)))
                 rows, _, n_eval = self._forward(body + [tail], positions)
                 evaluated += n_eval
-                logprobs += _token_logprobs(np.stack([rows[p] for p in positions]), answer[1:]).tolist()
+                logprobs += token_logprobs(np.stack([rows[p] for p in positions]), answer[1:]).tolist()
             per_token.append(logprobs)
             scores.append(float(sum(logprobs) / len(logprobs)))
         scores = [s if math.isfinite(s) else -1e30 for s in scores]

@@ -91,8 +91,45 @@ class Piece:
 # probability divided by the model's probability for that option when the state says nothing
 # (CONTENT_FREE_STATE), with the same question and options; that prior depends on the question, not the
 # state, so the engine keeps it (Engine.content_free_entries) and a recurring decision pays for it once.
-DEBIAS_MODES = ("none", "reverse", "content_free")
+# "rotations": each question read first in its canonical order (the options sorted by id: the same prompt
+# whatever order the caller lists them in) and then, while the combined answer could still change, in further
+# cyclic rotations of that order (rotation_schedule), their log-probabilities averaged (passes/orders.py).
+# Ordered scales and yes/no questions keep their order: their reads are the given order and its reverse.
+DEBIAS_MODES = ("none", "reverse", "content_free", "rotations")
 CONTENT_FREE_STATE = "N/A"
+MAX_READS = 64  # the most orders a request may ask one question to be read in (more than any option count)
+
+
+def canonical_order(question: Question) -> tuple[int, ...]:
+    """The order a question's first read shows its outcomes in, as indices into question.outcomes: the
+    options sorted by key (code points), so that it depends on the option set, not on the caller's listing.
+    Ordered kinds keep their order: a scale's levels and yes/no mean something in the order given."""
+    n = len(question.outcomes)
+    if question.kind in ("scale", "binary"):
+        return tuple(range(n))
+    return tuple(sorted(range(n), key=lambda i: question.outcomes[i].key))
+
+
+def rotation_schedule(n: int) -> list[int]:
+    """The order in which the cyclic rotations of the canonical order are read, as offsets: the canonical
+    order (0), then each time the rotation farthest from every rotation read so far (each option's position
+    moves most), ties to the smaller offset. rotation_schedule(4) == [0, 2, 1, 3]."""
+    chosen = [0]
+    while len(chosen) < n:
+        def gap(r: int) -> int:
+            return min(min((r - c) % n, (c - r) % n) for c in chosen)
+        chosen.append(max((r for r in range(n) if r not in chosen), key=lambda r: (gap(r), -r)))
+    return chosen
+
+
+def read_orders(question: Question) -> list[tuple[int, ...]]:
+    """Every order debias "rotations" may read a question in, first to last: the canonical order's cyclic
+    rotations in rotation_schedule; an ordered kind's given order and its reverse."""
+    first = canonical_order(question)
+    n = len(first)
+    if question.kind in ("scale", "binary"):
+        return [first, first[::-1]] if n > 1 else [first]
+    return [tuple(first[(i + r) % n] for i in range(n)) for r in rotation_schedule(n)]
 
 
 @dataclass(frozen=True)
@@ -111,6 +148,10 @@ class QuestionPlan:
     # Order debiasing ("debias": "reverse"): the same question with its outcomes reversed, scored from
     # the same state prefix; the engine combines both distributions.
     reversed: Optional["QuestionPlan"] = None
+    # debias "rotations": the reads after this one (this plan is the first, in the canonical order), each
+    # the same question in another order (read_orders), scored from the same state prefix while the combined
+    # answer could still change (passes/orders.py). Empty otherwise.
+    reads: tuple["QuestionPlan", ...] = ()
     # Options-first layout with order debiasing: the reversed question's options come before the state,
     # so it has its own prefix (head, reversed options, state) instead of the plan's; None otherwise.
     own_prefix_pieces: Optional[tuple[Piece, ...]] = None
@@ -133,7 +174,8 @@ class QuestionPlan:
         """Tokens this question evaluates after the state prefix when nothing of it is cached."""
         own = (len(self.suffix_tokens) + sum(len(a) for a in self.answer_tokens) + self.own_prefix_tokens
                - self.own_prefix_held)
-        return own + (self.reversed.worst_case_tokens if self.reversed is not None else 0)
+        return (own + (self.reversed.worst_case_tokens if self.reversed is not None else 0)
+                + sum(r.worst_case_tokens for r in self.reads))
 
     @property
     def own_prefix_tokens(self) -> int:
@@ -143,7 +185,8 @@ class QuestionPlan:
     def input_tokens(self) -> int:
         """Distinct prompt tokens of this question after the state prefix (both orders when debiased)."""
         own = len(self.suffix_tokens) + self.own_prefix_tokens
-        return own + (self.reversed.input_tokens if self.reversed is not None else 0)
+        return (own + (self.reversed.input_tokens if self.reversed is not None else 0)
+                + sum(r.input_tokens for r in self.reads))
 
 
 @dataclass(frozen=True)
@@ -198,6 +241,9 @@ class PromptPlan:
     # object); empty when not asked for.
     injection_checks: tuple[QuestionPlan, ...] = ()
     debias: str = "none"
+    # debias "rotations": how many reads each question asked for (its reads are planned up to this many), or
+    # None: read while the combined answer could still change (passes/orders.py, the stop rule).
+    reads: Optional[int] = None
     # Options-first, label scoring, nothing else scored after this state (no injection check, no order
     # debiasing): the state's last block and the question suffix are evaluated as one segment. Nothing
     # could reuse the state there (the state comes after the options, so another question means another
@@ -429,6 +475,7 @@ def build_plan(
     injection_check: bool = False,
     layout_field: str = "layout",
     debias: str = "none",
+    reads: Optional[int] = None,
     end_of_turn_token: Optional[int] = None,
     injection_check_field: str = "injection_check",
     partial_rewind: bool = True,
@@ -559,7 +606,11 @@ def build_plan(
         assert text.startswith(moved), "every suffix after the state starts with the template's between text"
         return text[len(moved):]
 
-    main_prefix = make_prefix(tuple(range(len(questions[0].outcomes))) if questions else ())
+    def first_order(question: Question) -> tuple[int, ...]:
+        """The order a question is read in first: the given one, or under debias "rotations" the canonical one."""
+        return canonical_order(question) if debias == "rotations" else tuple(range(len(question.outcomes)))
+
+    main_prefix = make_prefix(first_order(questions[0]) if questions else ())
     prefix_pieces, segments, before_suffix, n_shared = main_prefix[:4]
     prefix_len = sum(len(s) for s in segments)
     state_len = len(prefix_pieces[-1].tokens)
@@ -594,7 +645,17 @@ def build_plan(
     planned = []
     for question, field, name in zip(questions, fields, names):
         given = tuple(range(len(question.outcomes)))
-        plan = plan_question(question, field, name, given, before_suffix, main_prefix.between)
+        plan = plan_question(question, field, name, first_order(question), before_suffix, main_prefix.between)
+        if debias == "rotations":
+            later = []
+            for order in read_orders(question)[1:reads]:  # reads None: every order, the stop rule decides
+                if layout == "state_first":
+                    later.append(plan_question(question, field, name, order, before_suffix, main_prefix.between))
+                else:  # options-first: each order's options are their own block, and the state follows it
+                    o_pieces, o_segments, o_before, _, o_moved = make_prefix(order)
+                    later.append(replace(plan_question(question, field, name, order, o_before, o_moved),
+                                         own_prefix_pieces=o_pieces, own_prefix_segments=tuple(o_segments)))
+            plan = replace(plan, reads=tuple(later))
         if debias == "reverse":
             if layout == "state_first":
                 plan = replace(plan, reversed=plan_question(question, field, name, given[::-1], before_suffix,
@@ -606,7 +667,7 @@ def build_plan(
                                  own_prefix_pieces=r_pieces, own_prefix_segments=tuple(r_segments))
                 plan = replace(plan, reversed=r_plan)
         suffix_len = max(len(p.suffix_tokens) + max((len(a) for a in p.answer_tokens), default=0)
-                         for p in (plan, plan.reversed) if p is not None)
+                         for p in (plan, plan.reversed, *plan.reads) if p is not None)
         need = prefix_len + suffix_len
         if need > n_ctx:
             # Blame what is longer: a long option list is the question's fault, a long state the state's.
@@ -629,6 +690,7 @@ def build_plan(
         return_prompt=return_prompt,
         layout=layout,
         debias=debias,
+        reads=reads if debias == "rotations" else None,
         fuse_state_and_question=(layout == "options_first" and scoring == "label" and debias in ("none", "content_free")
                                  and len(planned) == 1),
     )
@@ -691,7 +753,10 @@ def build_plan(
             # (INJECTION_CHECK_LAYOUT): its own prefix, the state evaluated again after the options, and a
             # value that does not depend on the request's other questions. Copies of a question share one.
             for q in questions:
-                shown = render_question_block(q, label_choice(q, tuple(range(len(q.outcomes))))[0], style=template.style)
+                # The options as the request's first read shows them: under debias "rotations" the canonical
+                # order, so that the check, like the answer, does not depend on the caller's listing.
+                first = first_order(q)
+                shown = render_question_block(q, label_choice(q, first)[0], first, style=template.style)
                 if shown not in by_block:
                     check_prefix = questions_then_state(*template.injection_check_prefix_parts([shown]))
                     # Its leading segments that the request's own prefix holds (the template head) are reused

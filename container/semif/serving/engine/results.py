@@ -59,12 +59,19 @@ class Distribution:
     # an answer". None on the batched path, whose answers depend on the other questions in the batch.
     recompute: Optional[dict] = None
     # With a second look asked for: {"ran", "decided_by", and when it ran "reason", "first_pass",
-    # "reasoning", "reasoning_tokens", "stopped", "evaluated_tokens", "ms"} (Engine._second_look).
+    # "reasoning", "reasoning_tokens", "stopped", "evaluated_tokens", "ms"} (passes/second_look.py).
     second_look: Optional[dict] = None
     # With debias "content_free": {"state", "prior" (the options' probabilities for the content-free state),
     # "held" (the prior was kept from an earlier request), "option_logits" and "probabilities" (the raw
     # answer, before the prior was divided out)}; option_logits and probabilities are then the calibrated ones.
     content_free: Optional[dict] = None
+    # With debias "rotations": each order read, first to last ({"order": the outcomes as shown, as indices in
+    # the given order; "probabilities", "option_logits", "label_mass": that read's answer, outcomes in the
+    # given order}), and why no further order was read: "settled" (the stop rule: the combined answer could no
+    # longer change), "all" (every order read) or "requested" (the request's `reads`). option_logits and
+    # probabilities are then the reads combined (the mean of their log-probabilities).
+    reads: Optional[list[dict]] = None
+    reads_stopped: Optional[str] = None
 
 
 @dataclass

@@ -82,7 +82,8 @@ class DecisionService:
                 check_field = "policy.max_injection"  # the request's own policy asked for it
         return {"layout": resolve_layout(job, self.settings.layout), "injection_check": check,
                 "layout_field": job.layout_field, "second_look": job.second_look,
-                "second_look_field": job.second_look_field, "injection_check_field": check_field}
+                "second_look_field": job.second_look_field, "injection_check_field": check_field,
+                "reads": job.reads}
 
     async def read_body(self, request: Request) -> Any:
         """The parsed JSON body, read once per request: /invocations peeks at it to pick chat or decisions

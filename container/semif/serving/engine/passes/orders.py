@@ -1,0 +1,165 @@
+"""Order debiasing: a question read in several option orders, the reads combined into one answer.
+
+Each read scores the question as one ``QuestionPlan`` shows it (``order``: the shown outcomes as indices into
+the given ones) and is put back in the given order; the answer's logits are the mean of the reads'
+log-probabilities (``combine_orders``), so their softmax is the renormalised geometric mean. Debias
+"reverse" reads two orders: the given one and ``QuestionPlan.reversed``.
+
+Entry points: ``other_orders`` (the orders a question is read in besides the given one), ``read`` (one
+question in one order from the held prefix, or the order's own prefix), ``combine`` (reads into one
+Distribution). ``read_on_held_prefix`` and ``read_with_own_prefix`` are the pass as ``Engine._execute``
+runs it: reads that share the given order's prefix right after it, while the context holds that prefix;
+reads with a prefix of their own (options first: the options come before the state) after everything
+else that reuses the given prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ..plan import PromptPlan, QuestionPlan, TokenBudgetExceeded
+from ..results import Distribution, softmax
+from . import Answers, Core
+
+__all__ = ["Read", "combine", "combine_orders", "other_orders", "plan_orders", "read", "read_on_held_prefix",
+           "read_with_own_prefix"]
+
+
+@dataclass
+class Read:
+    """One reading of a question in one option order: the distribution as scored (outcomes in shown order)."""
+
+    name: str  # its key in the answer's ``orders`` record ("reversed")
+    qplan: QuestionPlan  # the question as this read shows it (``order``, its own prefix if any)
+    dist: Distribution
+    memo_tokens: int  # suffix tokens answered from the label memo
+
+    def in_given_order(self, values: Sequence[float]) -> list[float]:
+        """Values indexed by shown position, put back in the given order."""
+        out = [0.0] * len(self.qplan.order)
+        for shown, original in enumerate(self.qplan.order):
+            out[original] = values[shown]
+        return out
+
+
+def combine_orders(given: Sequence[float], *others: Sequence[float]) -> list[float]:
+    """The mean of the reads' log-probabilities (each indexed by the given order), as logits; their softmax
+    is the renormalised combined distribution. Two reads: (log p_given + log p_other) / 2."""
+    logs = [np.log(np.clip(np.asarray(softmax(logits)), 1e-300, None)) for logits in (given, *others)]
+    total = logs[0]
+    for more in logs[1:]:
+        total = total + more
+    return (total / len(logs)).tolist()
+
+
+def other_orders(qplan: QuestionPlan) -> list[tuple[str, QuestionPlan]]:
+    """The orders ``qplan`` is read in besides the given one, by record name."""
+    return [("reversed", qplan.reversed)] if qplan.reversed is not None else []
+
+
+def plan_orders(build: Callable[..., PromptPlan], *, max_request_tokens: Optional[int], budget_field: str,
+                by_default: bool, debias: str = "reverse") -> PromptPlan:
+    """The request's plan (``build()``) with every question in each of its orders. Over the budget only because
+    of the other orders (the questions alone fit), it is refused naming what pushed it over: never answered in
+    one order only."""
+    try:
+        return build()
+    except TokenBudgetExceeded as over:
+        if over.field != budget_field:
+            raise  # the injection checks pushed it over: named as such
+        alone = build(max_request_tokens=None, return_prompt=False, injection_check=False, debias="none", reads=None)
+        if alone.worst_case_tokens <= max_request_tokens:
+            blamed = TokenBudgetExceeded(over.tokens, over.budget, field=budget_field if by_default else "debias")
+            counted = ("each question in both option orders" if debias == "reverse" else
+                       "each question in every order it may be read in (rotations; send reads to read fewer)")
+            blamed.args = (f"{over}; with debias {debias!r}{' (the server default)' if by_default else ''} that "
+                           f"counts {counted}: send debias 'none' to leave it out",)
+            raise blamed from None
+        raise
+
+
+def _has_own_prefix(qplan: QuestionPlan) -> bool:
+    return any(other.own_prefix_segments is not None for _, other in other_orders(qplan))
+
+
+def read(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], name: str) -> Read:
+    """The question in the order ``qplan`` shows, from the held ``prefix`` (one more question segment: the
+    state is not evaluated again), or from ``qplan``'s own prefix where it has one."""
+    dist, memo_tokens = core._score_question(plan, qplan, prefix)
+    return Read(name, qplan, dist, memo_tokens)
+
+
+def combine(plan: PromptPlan, qplan: QuestionPlan, given: Distribution, given_memo: int,
+            reads: Sequence[Read], debias: str = "reverse") -> tuple[Distribution, int]:
+    """The given order's answer and the other reads as one answer (combine_orders); each read's own answer
+    stays in ``orders``. Returns (distribution, suffix tokens answered from the memo by all reads)."""
+    in_given = [r.in_given_order(r.dist.option_logits) for r in reads]
+    combined = combine_orders(given.option_logits, *in_given)
+    masses = [m for m in (given.label_mass, *(r.dist.label_mass for r in reads)) if m is not None]
+    orders = {"given": {"probabilities": given.probabilities, "option_logits": given.option_logits,
+                        "label_mass": given.label_mass}}
+    recompute = None
+    if plan.return_prompt:
+        # option_logits = combine_orders(given, each read put back in the given order by its ``order``).
+        recompute = dict(given.recompute or {})
+    for r, logits in zip(reads, in_given):
+        orders[r.name] = {"probabilities": r.in_given_order(r.dist.probabilities), "option_logits": logits,
+                          "label_mass": r.dist.label_mass, "labels": r.dist.labels,
+                          "label_token_ids": r.dist.label_token_ids}
+        if plan.return_prompt:
+            orders[r.name]["prompt_text"] = r.dist.prompt_text
+            recompute[r.name] = dict(r.dist.recompute or {}, order=list(r.qplan.order))
+    dist = Distribution(
+        recompute=recompute,
+        option_logits=combined,
+        probabilities=softmax(combined),
+        tokens=given.tokens + sum(r.qplan.input_tokens for r in reads),
+        cached_tokens=given.cached_tokens + sum(r.dist.cached_tokens for r in reads),
+        evaluated_tokens=given.evaluated_tokens + sum(r.dist.evaluated_tokens for r in reads),
+        scoring=given.scoring,
+        label_token_ids=given.label_token_ids,
+        labels=given.labels,
+        prompt_text=given.prompt_text,
+        label_mass=sum(masses) / len(masses) if masses else None,
+        label_variant_ids=given.label_variant_ids,
+        debias=debias,
+        orders=orders,
+    )
+    return dist, given_memo + sum(r.memo_tokens for r in reads)
+
+
+def _read_all(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], given: Distribution,
+              given_memo: int) -> tuple[Distribution, int]:
+    reads = [read(core, plan, other, prefix, name) for name, other in other_orders(qplan)]
+    return combine(plan, qplan, given, given_memo, reads)
+
+
+def read_on_held_prefix(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]],
+                        given: Distribution, given_memo: int) -> tuple[Distribution, int]:
+    """Right after the given order's read: the other orders that share its prefix, combined with it (the
+    given answer unchanged where there are none, or where they wait for ``read_with_own_prefix``)."""
+    if not other_orders(qplan) or _has_own_prefix(qplan):
+        return given, given_memo
+    return _read_all(core, plan, qplan, prefix, given, given_memo)
+
+
+def read_with_own_prefix(core: Core, plan: PromptPlan, prefix: list[list[int]], answers: Answers) -> None:
+    """The questions whose other orders have a prefix of their own: read last, after everything that reuses
+    the given order's prefix, each answer replaced by the combination."""
+    total = len(plan.questions)
+    for index, qplan in enumerate(plan.questions):
+        if not other_orders(qplan) or not _has_own_prefix(qplan):
+            continue
+        core._progress(index, total, restart_batch_count=False)
+        started = time.perf_counter()
+        given = answers.distributions[index]
+        answers.evaluated -= given.evaluated_tokens
+        dist, memo_tokens = _read_all(core, plan, qplan, prefix, given, 0)
+        dist.compute_ms = given.compute_ms + (time.perf_counter() - started) * 1000
+        answers.evaluated += dist.evaluated_tokens
+        answers.memo_suffix_tokens += memo_tokens
+        answers.distributions[index] = dist

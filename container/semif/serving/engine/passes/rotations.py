@@ -1,0 +1,146 @@
+"""debias "rotations": a question read in its canonical order and, while the combined answer could still
+change, in further cyclic rotations of that order; the reads combined into one answer.
+
+The first read is the one the core makes (``QuestionPlan.order`` is the canonical order: the options sorted
+by id, so the prompt is the same whatever order the caller lists them in); ``QuestionPlan.reads`` holds the
+other orders in the sequence they are read (plan.read_orders). Each read is put back in the given order and
+the answer's logits are the mean of the reads' log-probabilities (orders.combine_orders).
+
+The stop rule (a request that does not ask for a number of ``reads``): after k of the n orders, stop when
+k · margin > (n − k) · STOP_MARGIN_PER_READ, margin being the combined answer's lead of its first option over
+its second in mean log-probability. It holds when no unread order, moving the margin against the leader by at
+most STOP_MARGIN_PER_READ, could change the choice. It depends on the request alone (never on other traffic),
+so the answer is the same alone or among others.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+
+from ..plan import PromptPlan, QuestionPlan, read_orders
+from ..readout import log_softmax
+from ..results import Distribution, softmax
+from . import Answers, Core
+from .orders import Read, combine_orders, read
+
+__all__ = ["STOP_MARGIN_PER_READ", "read_on_held_prefix", "read_with_own_prefix", "settled"]
+
+# The most one unread order is assumed to move the margin against the leader (mean log-probability, nats).
+# Chosen on the dev split: the smallest value whose early stop changed the final choice in at most 2% of
+# decisions compared with reading every order (tools/order_study.py; docs/benchmarks.md, "Reads in
+# several option orders").
+STOP_MARGIN_PER_READ = 0.25
+
+
+def settled(log_probs: list[np.ndarray], total: int, per_read: float = STOP_MARGIN_PER_READ) -> bool:
+    """Whether reading the other ``total - len(log_probs)`` orders could no longer change the choice."""
+    k = len(log_probs)
+    if k >= total:
+        return True
+    mean = np.mean(log_probs, axis=0)
+    top = np.sort(mean)[::-1]
+    margin = float(top[0] - top[1]) if len(top) > 1 else float("inf")
+    return k * margin > (total - k) * per_read
+
+
+def _canonical(reads: list[Read], values_of) -> list[list[float]]:
+    """Each read's values (indexed by its shown position) in the canonical order, the first read's: the
+    arithmetic that combines reads then runs in the same order whatever the caller's listing, so the answer
+    is the same to the last bit."""
+    canonical = reads[0].qplan.order
+    out = []
+    for r in reads:
+        given = r.in_given_order(values_of(r))
+        out.append([given[index] for index in canonical])
+    return out
+
+
+def _read_all(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], first: Distribution,
+              first_memo: int) -> tuple[Distribution, int]:
+    reads = [Read("first", qplan, first, first_memo)]
+    total = len(read_orders(qplan.question))
+    stopped: Optional[str] = None
+    for more in qplan.reads:
+        if plan.reads is None and settled([np.asarray(log_softmax(x))
+                                           for x in _canonical(reads, lambda r: r.dist.option_logits)], total):
+            stopped = "settled"
+            break
+        reads.append(read(core, plan, more, prefix, "rotation"))
+    if stopped is None:
+        stopped = "all" if len(reads) == total else "requested"
+    return _combine(plan, reads, stopped), sum(r.memo_tokens for r in reads)
+
+
+def _combine(plan: PromptPlan, reads: list[Read], stopped: str) -> Distribution:
+    first = reads[0]
+    in_given = [r.in_given_order(r.dist.option_logits) for r in reads]
+    canonical = combine_orders(*_canonical(reads, lambda r: r.dist.option_logits))
+    combined, probabilities = first.in_given_order(canonical), first.in_given_order(softmax(canonical))
+    masses = [r.dist.label_mass for r in reads if r.dist.label_mass is not None]
+    records = []
+    for r, logits in zip(reads, in_given):
+        record = {"order": list(r.qplan.order), "probabilities": r.in_given_order(r.dist.probabilities),
+                  "option_logits": logits, "label_mass": r.dist.label_mass}
+        if plan.return_prompt:
+            record.update(labels=r.dist.labels, prompt_text=r.dist.prompt_text)
+        records.append(record)
+    recompute = None
+    if plan.return_prompt:
+        # option_logits = the mean of every read's log-probabilities, each put back in the given order by its
+        # ``order`` (this record is the first read's; tools/recompute.py).
+        recompute = dict(first.dist.recompute or {}, order=list(first.qplan.order),
+                         reads=[dict(r.dist.recompute or {}, order=list(r.qplan.order)) for r in reads[1:]])
+    # Labels in the given order: the label each option had in the first read (the second look reads them so).
+    given = first.in_given_order
+    return Distribution(
+        recompute=recompute,
+        option_logits=combined,
+        probabilities=probabilities,
+        tokens=first.dist.tokens + sum(r.qplan.input_tokens for r in reads[1:]),
+        cached_tokens=sum(r.dist.cached_tokens for r in reads),
+        evaluated_tokens=sum(r.dist.evaluated_tokens for r in reads),
+        scoring=first.dist.scoring,
+        label_token_ids=given(first.dist.label_token_ids) if first.dist.label_token_ids else None,
+        labels=given(first.dist.labels) if first.dist.labels else None,
+        prompt_text=first.dist.prompt_text,
+        label_mass=sum(masses) / len(masses) if masses else None,
+        label_variant_ids=given(first.dist.label_variant_ids) if first.dist.label_variant_ids else None,
+        debias="rotations",
+        reads=records,
+        reads_stopped=stopped,
+    )
+
+
+def _own_prefix(qplan: QuestionPlan) -> bool:
+    return any(r.own_prefix_segments is not None for r in qplan.reads)
+
+
+def read_on_held_prefix(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]],
+                        first: Distribution, first_memo: int) -> tuple[Distribution, int]:
+    """Right after the first read: the other orders, where they share its prefix (state first), combined."""
+    if plan.debias != "rotations" or _own_prefix(qplan):
+        return first, first_memo
+    return _read_all(core, plan, qplan, prefix, first, first_memo)
+
+
+def read_with_own_prefix(core: Core, plan: PromptPlan, prefix: list[list[int]], answers: Answers) -> None:
+    """Options first: each order has a prefix of its own (its options, then the state); read last, after
+    everything that reuses the first read's prefix, each answer replaced by the combination."""
+    if plan.debias != "rotations":
+        return
+    total = len(plan.questions)
+    for index, qplan in enumerate(plan.questions):
+        if not _own_prefix(qplan):
+            continue
+        core._progress(index, total, restart_batch_count=False)
+        started = time.perf_counter()
+        first = answers.distributions[index]
+        answers.evaluated -= first.evaluated_tokens
+        dist, memo_tokens = _read_all(core, plan, qplan, prefix, first, 0)
+        dist.compute_ms = first.compute_ms + (time.perf_counter() - started) * 1000
+        answers.evaluated += dist.evaluated_tokens
+        answers.memo_suffix_tokens += memo_tokens
+        answers.distributions[index] = dist

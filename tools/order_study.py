@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Answers that do not depend on the order the caller lists the options: reads in several orders, measured.
+
+    nice -n 5 .venv/bin/python tools/order_study.py \\
+        --model ~/.cache/semif/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --limit 120
+
+Each row of the labeled file (default: data/decisions-dev.jsonl) is read, in-process and without calibration
+(debias "none"), in these option orders over one cached state:
+
+- the order the row lists (`given`) and its reverse (`reversed`): what a caller gets today in either order;
+- every cyclic rotation of the canonical order (options sorted by id: a function of the option set, not of
+  the listing), in the schedule a request would read them (`rotation_schedule`).
+
+Per read, the option logits (indexed by canonical position) and the read's compute time are recorded, so
+every combination below comes from the same model calls:
+
+- `given`, `reversed`: one read each; their agreement is the "same choice reversed" figure today.
+- `rotations_k`: the mean log-probability of the first k scheduled rotations, k = 1 … n (k = 1 is the
+  canonical order alone; the same whatever the listing).
+- `stop_rule(δ)`: read rotations in schedule until the combined answer cannot change any more if each unread
+  rotation moved the margin by at most δ against the leader (k · margin_k > (n − k) · δ, margins in mean
+  log-probability), or all are read. δ is chosen as the smallest value whose early stop changes the final
+  choice in at most 2% of rows compared with reading every rotation.
+
+Rows are taken stratified (`--limit`, the groups of tools/calibration_study.py). Records go to --out as JSON
+Lines as they come (a rerun resumes); the summary is written beside it (`.summary.json`). Choose on the dev
+split only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "container"))
+sys.path.insert(0, str(REPO / "tools"))
+
+from calibration_study import group, stratified  # noqa: E402
+
+from semif.serving.engine.plan import rotation_schedule  # noqa: E402  (the schedule a request reads in)
+
+CHANGE_BUDGET = 0.02  # the share of rows whose final choice the stop rule may change
+
+
+def log_softmax(x) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max()
+    return x - (m + math.log(np.exp(x - m).sum()))
+
+
+def combined(reads: list[np.ndarray]) -> np.ndarray:
+    return np.mean([log_softmax(r) for r in reads], axis=0)
+
+
+def margin(logp: np.ndarray) -> float:
+    top = np.sort(logp)[::-1]
+    return float(top[0] - top[1]) if len(top) > 1 else math.inf
+
+
+def stop_after(reads: list[np.ndarray], delta: float) -> int:
+    """How many scheduled reads the stop rule takes (at least one)."""
+    n = len(reads)
+    for k in range(1, n + 1):
+        if k == n or k * margin(combined(reads[:k])) > (n - k) * delta:
+            return k
+    return n
+
+
+def summarise(records: list[dict]) -> dict:
+    def acc(picks):
+        return sum(int(p == r["answer"]) for p, r in zip(picks, records)) / len(records)
+
+    by_group: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_group.setdefault(r["group"], []).append(i)
+    per_row = []
+    for r in records:
+        rot = [np.asarray(x) for x in r["rotations"]]
+        per_row.append({"given": int(np.argmax(r["given"])), "reversed": int(np.argmax(r["reversed"])),
+                        "all": int(np.argmax(combined(rot))), "rot": rot})
+    out: dict = {"rows": len(records)}
+    out["given"] = {"accuracy": round(acc([p["given"] for p in per_row]), 3)}
+    out["reversed"] = {"accuracy": round(acc([p["reversed"] for p in per_row]), 3)}
+    out["same_choice_reversed_none"] = round(sum(p["given"] == p["reversed"] for p in per_row) / len(per_row), 3)
+    out["both_orders_mean_accuracy_none"] = round((out["given"]["accuracy"] + out["reversed"]["accuracy"]) / 2, 3)
+    curve = []
+    for k in range(1, 13):
+        picks = [int(np.argmax(combined(p["rot"][:k]))) for p in per_row]
+        curve.append({"reads_at_most": k, "accuracy": round(acc(picks), 3),
+                      "mean_reads": round(statistics.mean(min(k, len(p["rot"])) for p in per_row), 2)})
+    out["rotations_curve"] = curve
+    out["all_rotations"] = {"accuracy": round(acc([p["all"] for p in per_row]), 3),
+                            "mean_reads": round(statistics.mean(len(p["rot"]) for p in per_row), 2)}
+    rules = []
+    for delta in [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 1e9]:
+        ks = [stop_after(p["rot"], delta) for p in per_row]
+        picks = [int(np.argmax(combined(p["rot"][:k]))) for p, k in zip(per_row, ks)]
+        changed = sum(pk != p["all"] for pk, p in zip(picks, per_row)) / len(per_row)
+        ms = [sum(r["rotation_ms"][:k]) for r, k in zip(records, ks)]
+        rules.append({"delta": delta, "accuracy": round(acc(picks), 3), "changed_vs_all": round(changed, 3),
+                      "mean_reads": round(statistics.mean(ks), 2), "one_read_share": round(ks.count(1) / len(ks), 3),
+                      "p50_ms": round(statistics.median(ms), 1),
+                      "per_group": {g: round(sum(int(picks[i] == records[i]["answer"]) for i in ix) / len(ix), 3)
+                                    for g, ix in by_group.items()}})
+    out["stop_rules"] = rules
+    fitting = [r for r in rules if r["changed_vs_all"] <= CHANGE_BUDGET]
+    out["chosen_delta"] = min(fitting, key=lambda r: r["delta"])["delta"] if fitting else None
+    out["per_group"] = {g: {"n": len(ix),
+                            "given": round(sum(int(per_row[i]["given"] == records[i]["answer"]) for i in ix) / len(ix), 3),
+                            "reversed": round(sum(int(per_row[i]["reversed"] == records[i]["answer"]) for i in ix) / len(ix), 3),
+                            "canonical": round(sum(int(np.argmax(per_row[i]["rot"][0]) == records[i]["answer"]) for i in ix) / len(ix), 3),
+                            "all_rotations": round(sum(int(per_row[i]["all"] == records[i]["answer"]) for i in ix) / len(ix), 3)}
+                        for g, ix in by_group.items()}
+    out["given_ms_p50"] = round(statistics.median(r["given_ms"] for r in records), 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="GGUF file")
+    parser.add_argument("--data", default=str(REPO / "data" / "decisions-dev.jsonl"))
+    parser.add_argument("--limit", type=int, default=None, help="rows, taken stratified")
+    parser.add_argument("--n-threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", default=str(REPO / "results" / "order-study.jsonl"))
+    parser.add_argument("--summary-only", action="store_true", help="summarise the records in --out, score nothing")
+    args = parser.parse_args(argv)
+
+    rows = [json.loads(line) for line in Path(args.data).read_text(encoding="utf-8").split("\n") if line.strip()]
+    counts = Counter(r["decision_id"] for r in rows)
+    once = {d for d, c in counts.items() if c == 1}
+    chosen = stratified(rows, once, args.limit)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {}
+    if out.exists():
+        for line in out.read_text(encoding="utf-8").split("\n"):
+            if line.strip():
+                rec = json.loads(line)
+                done[rec["id"]] = rec
+    if not args.summary_only:
+        from rich.progress import Progress
+
+        from semif.serving.engine.context import Engine
+        from semif.serving.engine.prompt import Outcome, Question
+
+        engine = Engine(os.path.expanduser(args.model), n_ctx=4096, n_threads=args.n_threads)
+
+        def read(row: dict, order: list[int]) -> tuple[list[float], float]:
+            """The raw option logits of one read, options shown in ``order`` (canonical indices), put back
+            in canonical order; and its compute time."""
+            canon = sorted(row["options"], key=lambda o: o["id"])
+            shown = [canon[i] for i in order]
+            question = Question(row["question"], tuple(Outcome(o["id"], o.get("description")) for o in shown),
+                                kind="choice")
+            t0 = time.perf_counter()
+            dist = engine.score(row["state"], [question], scoring="label", debias="none").distributions[0]
+            ms = (time.perf_counter() - t0) * 1000
+            logits = [0.0] * len(order)
+            for position, index in enumerate(order):
+                logits[index] = dist.option_logits[position]
+            return logits, ms
+
+        with out.open("a", encoding="utf-8") as sink, Progress() as progress:
+            task = progress.add_task("rows", total=len(chosen), completed=sum(r["id"] in done for r in chosen))
+            for row in chosen:
+                if row["id"] in done:
+                    continue
+                canon_ids = sorted(o["id"] for o in row["options"])
+                n = len(canon_ids)
+                given_order = [canon_ids.index(o["id"]) for o in row["options"]]
+                rotations, rotation_ms, schedule = [], [], rotation_schedule(n)
+                for r in schedule:
+                    logits, ms = read(row, [(i + r) % n for i in range(n)])
+                    rotations.append(logits)
+                    rotation_ms.append(round(ms, 1))
+                by_order = {tuple((i + r) % n for i in range(n)): (logits, ms)
+                            for r, logits, ms in zip(schedule, rotations, rotation_ms)}
+                # The listing (or its reverse) may be one of the rotations: the same prompt, read once.
+                given, given_ms = by_order.get(tuple(given_order)) or read(row, given_order)
+                back, back_ms = by_order.get(tuple(given_order[::-1])) or read(row, given_order[::-1])
+                rec = {"id": row["id"], "decision_id": row["decision_id"], "group": group(row, once), "n": n,
+                       "answer": canon_ids.index(row["answer"]), "schedule": schedule, "rotations": rotations,
+                       "rotation_ms": rotation_ms, "given": given, "given_ms": round(given_ms, 1), "reversed": back,
+                       "reversed_ms": round(back_ms, 1)}
+                done[row["id"]] = rec
+                sink.write(json.dumps(rec) + "\n")
+                sink.flush()
+                progress.advance(task)
+    records = [done[r["id"]] for r in chosen if r["id"] in done]
+    if not records:
+        print("no records to summarise", file=sys.stderr)
+        return 1
+    summary = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                        text=True).stdout.strip(),
+               "model": Path(args.model).name, "data": Path(args.data).name, **summarise(records)}
+    Path(str(out) + ".summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("stop_rules", "rotations_curve")}, indent=1))
+    for r in summary["stop_rules"]:
+        print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
