@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from semif.serving.engine import passes
-from semif.serving.engine.passes import injection, orders, prior
+from semif.serving.engine.passes import injection, orders, prior, rotations
 from semif.serving.engine.passes import second_look as second_look_pass
 from semif.serving.engine.plan import SecondLook
 from semif.serving.engine.prompt import Outcome, Question
@@ -52,6 +52,7 @@ def test_the_core_defines_no_pass_logic():
 
 # Each pass's entry points that Engine runs (passes/__init__.py lists the sequence).
 ENTRY_POINTS = {"orders": {"plan_orders", "read_on_held_prefix", "read_with_own_prefix"},
+                "rotations": {"read_on_held_prefix", "read_with_own_prefix"},
                 "injection": {"run", "attach"}, "prior": {"plan_priors", "evaluate", "apply"},
                 "second_look": {"plan_look", "run"}}
 
@@ -76,7 +77,8 @@ def test_every_pass_is_a_module_the_core_imports_and_calls():
 def calls(monkeypatch):
     """Every pass entry point Engine._execute runs, wrapped to note its module as it is called."""
     seen: list[str] = []
-    for module, name in ((orders, "read_on_held_prefix"), (orders, "read_with_own_prefix"), (injection, "run"),
+    for module, name in ((orders, "read_on_held_prefix"), (orders, "read_with_own_prefix"),
+                         (rotations, "read_on_held_prefix"), (injection, "run"),
                          (prior, "apply"), (second_look_pass, "run")):
         real = getattr(module, name)
 

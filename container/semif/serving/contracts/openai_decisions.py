@@ -208,7 +208,7 @@ def _question(q: Any, field: str, limits: Limits, texts: JsonTextBudget) -> tupl
 def _abstain_index(mark: Any, values: list, field: str) -> Optional[int]:
     """Our extension `x_abstain_option`: the choice value that escapes a forced choice ("needs_more_info",
     "none_of_these"), as SemIf's `abstain_option`: content-free calibration keeps its content-free share
-    (engine/context.py content_free_shift). It names a value with its JSON type: "true" is not true."""
+    (engine/passes/prior.py content_free_shift). It names a value with its JSON type: "true" is not true."""
     if mark is None:
         return None
     if not isinstance(mark, (str, bool)):

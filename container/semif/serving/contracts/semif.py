@@ -53,7 +53,7 @@ class DecisionQuestion(_Strict):
     options: list[Option] = Field(min_length=2)
     scoring: Optional[Literal["label", "sequence"]] = None
     # The option that escapes a forced choice ("needs_more_info", "none_of_these"): debias "content_free"
-    # keeps its content-free share instead of dividing it out (engine/context.py content_free_shift).
+    # keeps its content-free share instead of dividing it out (engine/passes/prior.py content_free_shift).
     abstain_option: Optional[str] = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("abstain_option")

@@ -54,7 +54,7 @@ class NoulCriteria(BaseModel):
 class _Question(_Lenient):
     # Our extension: the option that escapes a forced choice ("needs_more_info", "none_of_these"), by its
     # criteria key. Content-free calibration keeps its content-free share instead of dividing it out
-    # (engine/context.py content_free_shift), as SemIf's `abstain_option`. Only a choice has one (_abstain_index).
+    # (engine/passes/prior.py content_free_shift), as SemIf's `abstain_option`. Only a choice has one (_abstain_index).
     x_abstain_option: Optional[str] = None
 
 

@@ -154,7 +154,7 @@ class Question:
     outcomes: tuple[Outcome, ...]
     kind: QuestionKind = "choice"
     # The outcome (an index) the caller marked as its escape from a forced choice ("needs_more_info", "none of
-    # these"): content-free calibration keeps its content-free share (context.content_free_shift). Not rendered.
+    # these"): content-free calibration keeps its content-free share (passes/prior.py content_free_shift). Not rendered.
     abstain: Optional[int] = None
     # Text the model would write for each outcome under sequence (cloze) scoring.
     def answer_texts(self) -> list[str]:

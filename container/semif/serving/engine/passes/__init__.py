@@ -6,10 +6,12 @@ snapshots, the label memo, and the reading of one question after a prefix. ``Eng
 plan as a fixed sequence, each pass adding to one ``Answers``:
 
 1. the core reads every question in the order its plan shows (``Engine._score_question``), and
-   ``orders.read_on_held_prefix`` reads its other orders that share the held prefix right after it;
+   ``orders.read_on_held_prefix`` reads its other orders that share the held prefix right after it
+   (debias "reverse"), as ``rotations.read_on_held_prefix`` does under debias "rotations";
 2. ``injection.run``: each distinct injection check, p(yes);
 3. ``orders.read_with_own_prefix``: the other orders that have a prefix of their own (options first), after
-   everything that reuses the given prefix, so that prefix is evaluated once;
+   everything that reuses the given prefix, so that prefix is evaluated once (and
+   ``rotations.read_with_own_prefix`` likewise);
 4. ``prior.apply``: content-free priors (evaluated by ``prior.evaluate`` before step 1) divided out;
 5. ``second_look.run``: greedy reasoning, then the labels again, for the ambiguous answers;
 6. ``injection.attach`` and the core's result.
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["Answers", "Core", "PASSES"]
 
 # Every pass module, in the order Engine._execute runs them (tests/test_engine_passes.py keeps it so).
-PASSES = ("orders", "injection", "prior", "second_look")
+PASSES = ("orders", "rotations", "injection", "prior", "second_look")
 
 
 @dataclass
