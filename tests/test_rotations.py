@@ -117,6 +117,24 @@ def test_the_answer_does_not_depend_on_the_order_the_client_lists_the_options_in
     assert not np.allclose([plain[1][k] for k in plain[0]], list(plain[0].values()), atol=1e-3), "the model is order-sensitive"
 
 
+def test_options_first_reads_each_order_with_its_own_prefix_and_does_not_depend_on_the_listing(engine, memo_off):
+    answers = []
+    for order in [(0, 1, 2, 3), (3, 2, 1, 0)]:
+        q = listed(ROUTE, order)
+        dist = engine.score(STATE, [q], debias="rotations", reads=3, layout="options_first").distributions[0]
+        assert len(dist.reads) == 3 and dist.reads_stopped == "requested"
+        answers.append(by_id(q, dist.probabilities))
+    assert answers[0] == answers[1]
+    # Each read is what a client listing the options in that order gets with debias none, options first.
+    answer = engine.score(STATE, [ROUTE], debias="rotations", reads=3, layout="options_first").distributions[0]
+    for read in answer.reads:
+        own = engine.score(STATE, [listed(ROUTE, read["order"])], debias="none", layout="options_first").distributions[0]
+        back = [0.0] * 4
+        for position, original in enumerate(read["order"]):
+            back[original] = own.option_logits[position]
+        np.testing.assert_allclose(read["option_logits"], back, atol=1e-9)
+
+
 def test_the_stop_rule_reads_until_the_combined_answer_is_settled_and_no_further(engine):
     seen_stops = set()
     for state in [STATE, "Where is my parcel? It was due on Monday.", "Please refund order 1182, it arrived broken.",

@@ -26,7 +26,7 @@ from ..results import Distribution, softmax
 from . import Answers, Core
 
 __all__ = ["Read", "combine", "combine_orders", "other_orders", "plan_orders", "read", "read_on_held_prefix",
-           "read_with_own_prefix"]
+           "read_with_own_prefix", "replace_with_reads"]
 
 
 @dataclass
@@ -150,15 +150,22 @@ def read_on_held_prefix(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefi
 def read_with_own_prefix(core: Core, plan: PromptPlan, prefix: list[list[int]], answers: Answers) -> None:
     """The questions whose other orders have a prefix of their own: read last, after everything that reuses
     the given order's prefix, each answer replaced by the combination."""
+    replace_with_reads(core, plan, prefix, answers, lambda q: bool(other_orders(q)) and _has_own_prefix(q), _read_all)
+
+
+def replace_with_reads(core: Core, plan: PromptPlan, prefix: list[list[int]], answers: Answers,
+                       wanted: Callable[[QuestionPlan], bool], read_all: Callable[..., tuple[Distribution, int]]) -> None:
+    """Each ``wanted`` question's first answer replaced by ``read_all(core, plan, qplan, prefix, first, 0)``
+    (its reads in other orders combined), its time and tokens accounted: the own-prefix reads of a pass."""
     total = len(plan.questions)
     for index, qplan in enumerate(plan.questions):
-        if not other_orders(qplan) or not _has_own_prefix(qplan):
+        if not wanted(qplan):
             continue
         core._progress(index, total, restart_batch_count=False)
         started = time.perf_counter()
         given = answers.distributions[index]
         answers.evaluated -= given.evaluated_tokens
-        dist, memo_tokens = _read_all(core, plan, qplan, prefix, given, 0)
+        dist, memo_tokens = read_all(core, plan, qplan, prefix, given, 0)
         dist.compute_ms = given.compute_ms + (time.perf_counter() - started) * 1000
         answers.evaluated += dist.evaluated_tokens
         answers.memo_suffix_tokens += memo_tokens

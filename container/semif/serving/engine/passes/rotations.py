@@ -15,7 +15,6 @@ so the answer is the same alone or among others.
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import numpy as np
@@ -24,7 +23,7 @@ from ..plan import PromptPlan, QuestionPlan, read_orders
 from ..readout import log_softmax
 from ..results import Distribution, softmax
 from . import Answers, Core
-from .orders import Read, combine_orders, read
+from .orders import Read, combine_orders, read, replace_with_reads
 
 __all__ = ["STOP_MARGIN_PER_READ", "read_on_held_prefix", "read_with_own_prefix", "settled"]
 
@@ -129,18 +128,5 @@ def read_on_held_prefix(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefi
 def read_with_own_prefix(core: Core, plan: PromptPlan, prefix: list[list[int]], answers: Answers) -> None:
     """Options first: each order has a prefix of its own (its options, then the state); read last, after
     everything that reuses the first read's prefix, each answer replaced by the combination."""
-    if plan.debias != "rotations":
-        return
-    total = len(plan.questions)
-    for index, qplan in enumerate(plan.questions):
-        if not _own_prefix(qplan):
-            continue
-        core._progress(index, total, restart_batch_count=False)
-        started = time.perf_counter()
-        first = answers.distributions[index]
-        answers.evaluated -= first.evaluated_tokens
-        dist, memo_tokens = _read_all(core, plan, qplan, prefix, first, 0)
-        dist.compute_ms = first.compute_ms + (time.perf_counter() - started) * 1000
-        answers.evaluated += dist.evaluated_tokens
-        answers.memo_suffix_tokens += memo_tokens
-        answers.distributions[index] = dist
+    if plan.debias == "rotations":
+        replace_with_reads(core, plan, prefix, answers, _own_prefix, _read_all)
