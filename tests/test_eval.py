@@ -208,7 +208,7 @@ def test_a_short_eval_run_on_the_real_model_reports_what_the_engine_computes(eng
         assert case["predicted"] == row["options"][int(np.argmax(case["probabilities"]))]["id"]
     correct = sum(c["predicted"] == c["answer"] for c in run["cases_detail"])
     assert run["accuracy"] == correct / 2
-    assert set(run["calibration_cv"]["methods"]) == {"raw", "temperature"}
+    assert set(run["calibration_cv"]["methods"]) == {"raw", "temperature", "platt"}  # platt: beside the temperature fit
     assert run["calibration_cv"]["methods"]["raw"]["nll"] == pytest.approx(run["probabilities"]["nll"])
     assert sum(run["policy"]["actions"].values()) == 2
     chat = report["chat"]
