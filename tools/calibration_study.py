@@ -66,6 +66,26 @@ def stratified(rows: list[dict], once: set[str], limit: int | None) -> list[dict
     return out
 
 
+def chosen_rows(data: str | Path, limit: int | None) -> tuple[list[dict], set[str]]:
+    """The labeled rows a study reads (stratified, up to ``limit``) and the decisions whose option set
+    appears once in the file."""
+    rows = [json.loads(line) for line in Path(data).read_text(encoding="utf-8").split("\n") if line.strip()]
+    counts = Counter(r["decision_id"] for r in rows)
+    once = {d for d, c in counts.items() if c == 1}
+    return stratified(rows, once, limit), once
+
+
+def records_so_far(out: Path) -> dict[str, dict]:
+    """A study's records already written to ``out`` (JSON Lines), by row id: a rerun resumes after them."""
+    done: dict[str, dict] = {}
+    if out.exists():
+        for line in out.read_text(encoding="utf-8").split("\n"):
+            if line.strip():
+                rec = json.loads(line)
+                done[rec["id"]] = rec
+    return done
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max()
     return x - math.log(np.exp(x).sum())
@@ -127,18 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     from semif.serving.engine.context import Engine
     from semif.serving.engine.prompt import Outcome, Question
 
-    rows = [json.loads(line) for line in Path(args.data).read_text(encoding="utf-8").split("\n") if line.strip()]
-    counts = Counter(r["decision_id"] for r in rows)
-    once = {d for d, c in counts.items() if c == 1}
-    chosen = stratified(rows, once, args.limit)
+    chosen, once = chosen_rows(args.data, args.limit)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {}
-    if out.exists():
-        for line in out.read_text(encoding="utf-8").split("\n"):
-            if line.strip():
-                rec = json.loads(line)
-                done[rec["id"]] = rec
+    done = records_so_far(out)
     engine = Engine(os.path.expanduser(args.model), n_ctx=4096, n_threads=args.n_threads)
     started = time.perf_counter()
     with out.open("a", encoding="utf-8") as sink:

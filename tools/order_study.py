@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -47,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "container"))
 sys.path.insert(0, str(REPO / "tools"))
 
-from calibration_study import group, stratified  # noqa: E402
+from calibration_study import chosen_rows, group, records_so_far  # noqa: E402
 
 from semif.serving.engine.plan import rotation_schedule  # noqa: E402  (the schedule a request reads in)
 
@@ -137,18 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-only", action="store_true", help="summarise the records in --out, score nothing")
     args = parser.parse_args(argv)
 
-    rows = [json.loads(line) for line in Path(args.data).read_text(encoding="utf-8").split("\n") if line.strip()]
-    counts = Counter(r["decision_id"] for r in rows)
-    once = {d for d, c in counts.items() if c == 1}
-    chosen = stratified(rows, once, args.limit)
+    chosen, once = chosen_rows(args.data, args.limit)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {}
-    if out.exists():
-        for line in out.read_text(encoding="utf-8").split("\n"):
-            if line.strip():
-                rec = json.loads(line)
-                done[rec["id"]] = rec
+    done = records_so_far(out)
     if not args.summary_only:
         from rich.progress import Progress
 

@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "container"))
 sys.path.insert(0, str(REPO / "tools"))
 
-from calibration_study import group, stratified  # noqa: E402
+from calibration_study import chosen_rows, group, records_so_far  # noqa: E402
 
 READOUTS = ("current", "case", "surface", "current+walk", "surface+walk")
 DEBIASES = ("none", "content_free")
@@ -293,18 +293,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     console = Console(stderr=True)
     model = os.path.expanduser(args.model)
-    rows = [json.loads(line) for line in Path(args.data).read_text(encoding="utf-8").split("\n") if line.strip()]
-    counts = Counter(r["decision_id"] for r in rows)
-    once = {d for d, c in counts.items() if c == 1}
-    chosen = stratified(rows, once, args.limit)
+    chosen, once = chosen_rows(args.data, args.limit)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done: dict[str, dict] = {}
-    if out.exists():
-        for line in out.read_text(encoding="utf-8").split("\n"):
-            if line.strip():
-                rec = json.loads(line)
-                done[rec["id"]] = rec
+    done = records_so_far(out)
     engine = Engine(model, n_ctx=4096, n_threads=args.n_threads)
     reader = Reader(model, 4096, args.n_threads)
     pieces = reader.pieces()
