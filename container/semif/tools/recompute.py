@@ -167,10 +167,7 @@ def recompute_logits(record: dict, model_path: str | Path, *, context: Optional[
         if reversed_ is None:
             return logits
         # Order debiasing: the mean of both orders' log-probabilities, the reversed one put back in the given order.
-        shown = _order_logits(context, reversed_)
-        back = [0.0] * len(shown)
-        for position, original in enumerate(reversed_["order"]):
-            back[original] = shown[position]
+        back = _in_given(_order_logits(context, reversed_), reversed_["order"])
         return ((_log_softmax(logits) + _log_softmax(back)) / 2).tolist()
     finally:
         if own:
