@@ -35,8 +35,9 @@ def reply(choice, ms=100.0, *, answer="network", evaluated=None, error=None):
             "evaluated_tokens": evaluated, "cached_tokens": None, "generated_tokens": None, "error": error, "nll": None}
 
 
-def case(adapter_fwd, adapter_rev, callo_fwd, callo_rev, *, category="routing", answer="network", ms=(100.0, 100.0)):
-    return {"id": "x", "category": category, "decision_id": category, "answer": answer,
+def case(adapter_fwd, adapter_rev, callo_fwd, callo_rev, *, category="routing", answer="network", ms=(100.0, 100.0),
+         new=True):
+    return {"id": "x", "category": category, "decision_id": category, "answer": answer, "option_set_new": new,
             "adapter": {"forward": reply(adapter_fwd, ms[0]), "reversed": reply(adapter_rev, ms[0])},
             "callo": {"forward": reply(callo_fwd, ms[1]), "reversed": reply(callo_rev, ms[1])}}
 
@@ -258,3 +259,42 @@ def test_second_looks_are_counted_in_both_directions(tool):
     cases[0]["adapter"]["reversed"]["looked_again"] = True
     summary = tool.side_summary(cases, "adapter")
     assert (summary["looked_again"], summary["requests"]) == (1, 2)
+
+
+def test_an_option_set_is_new_the_first_time_the_run_asks_it_whatever_its_listing(tool):
+    other_question = {**ROW, "question": "Which queue?"}
+    relisted = {**ROW, "options": ROW["options"][::-1]}
+    redescribed = {**ROW, "options": [{**ROW["options"][0], "description": "Desktops"}, *ROW["options"][1:]]}
+    assert tool.first_sightings([ROW, relisted, other_question, ROW, redescribed, other_question]) == [
+        True, False, True, False, True, False]
+
+
+def test_latency_is_split_by_option_set_novelty_on_the_first_sight_of_each_state(tool):
+    cases = [case("network", "network", "hr", "hr", ms=(300.0, 100.0), new=True),
+             case("network", "network", "hr", "hr", ms=(500.0, 100.0), new=True),
+             case("network", "network", "hr", "hr", ms=(50.0, 100.0), new=False)]
+    adapter = tool.side_summary(cases, "adapter")["latency_ms"]
+    assert adapter["forward_new"] == {"p50": 400.0, "p95": pytest.approx(490.0), "n": 2}
+    assert adapter["forward_recurring"]["p50"] == 50.0 and adapter["forward_recurring"]["n"] == 1
+    assert tool.side_summary(cases, "callo")["latency_ms"]["forward_new"]["p50"] == 100.0
+
+
+def test_a_resumed_run_keeps_the_cases_written_and_drops_a_torn_last_line(tool, tmp_path):
+    rows = [{**ROW, "id": f"r{i}"} for i in range(4)]
+    path = tmp_path / "run.cases.jsonl"
+    assert tool.resumed_cases(path, rows) == []
+    path.write_text(json.dumps({"id": "r0", "k": 1}) + "\n" + json.dumps({"id": "r1", "k": 2}) + "\n" + '{"id": "r2", "k')
+    kept = tool.resumed_cases(path, rows)
+    assert [c["id"] for c in kept] == ["r0", "r1"]
+    assert path.read_text().splitlines() == [json.dumps(c) for c in kept]  # appending goes on after a whole line
+
+
+def test_a_resumed_run_refuses_cases_from_other_rows_or_a_torn_middle_line(tool, tmp_path):
+    rows = [{**ROW, "id": f"r{i}"} for i in range(3)]
+    path = tmp_path / "run.cases.jsonl"
+    path.write_text(json.dumps({"id": "r1"}) + "\n")
+    with pytest.raises(SystemExit, match="not the first 1"):
+        tool.resumed_cases(path, rows)
+    path.write_text("{torn\n" + json.dumps({"id": "r0"}) + "\n")
+    with pytest.raises(SystemExit, match=":1: not JSON"):
+        tool.resumed_cases(path, rows)

@@ -98,6 +98,24 @@ def systemone_body(row: dict, reverse: bool, *, abstain_mark: bool = False) -> d
     return {"state": row["state"], "questions": {QUESTION_ID: question}}
 
 
+def option_set_key(row: dict) -> str:
+    """The question with its options as a set (ids and descriptions, listing aside): what a server's caches for a
+    recurring decision (the adapter's content-free prior, the cached option block) can reuse."""
+    options = sorted((o["id"], o.get("description") or "") for o in row["options"])
+    return hashlib.sha256(json.dumps([row["question"], options]).encode()).hexdigest()
+
+
+def first_sightings(rows: list[dict]) -> list[bool]:
+    """Per row, whether its option set (option_set_key) is new: no earlier row of the run asked it."""
+    seen: set[str] = set()
+    new = []
+    for row in rows:
+        key = option_set_key(row)
+        new.append(key not in seen)
+        seen.add(key)
+    return new
+
+
 def side_bodies(row: dict, reverse: bool, abstain_marks: bool) -> dict[str, dict]:
     """Each side's request for one row: the same question; the adapter's marks the abstain option (when
     `abstain_marks` and the row names one), callo's never does (System One as callo serves it has no such field)."""
@@ -360,6 +378,10 @@ def side_summary(cases: list[dict], side: str) -> dict:
     averaged = sum(both_orders_choice(c[side]) == c["answer"] for c in cases) if both else None
     ms_forward = [r["ms"] for r in forward if not r["error"]]
     ms_all = ms_forward + [r["ms"] for r in backward if not r["error"]]
+    # First sight of each state, split by whether the decision's option set is new to the run or recurs.
+    ms_by_novelty = {novelty: [c[side]["forward"]["ms"] for c in cases if not c[side]["forward"]["error"]
+                               and c["option_set_new"] is (novelty == "new")]
+                     for novelty in ("new", "recurring")}
     looked = [r.get("looked_again") for r in forward + backward]
 
     def ratio(count: Optional[int]) -> Optional[float]:
@@ -381,7 +403,9 @@ def side_summary(cases: list[dict], side: str) -> dict:
         "requests": len(forward) + len(backward),
         "looked_again": sum(1 for v in looked if v) if any(v is not None for v in looked) else None,
         "latency_ms": {"forward": {"p50": pct(ms_forward, 50), "p95": pct(ms_forward, 95)},
-                       "all": {"p50": pct(ms_all, 50), "p95": pct(ms_all, 95)}},
+                       "all": {"p50": pct(ms_all, 50), "p95": pct(ms_all, 95)},
+                       **{f"forward_{novelty}": {"p50": pct(values, 50), "p95": pct(values, 95), "n": len(values)}
+                          for novelty, values in ms_by_novelty.items()}},
         "tokens": {direction: {key: tokens([c[side][direction] for c in cases], key)
                                for key in ("prompt_tokens", "evaluated_tokens", "cached_tokens", "generated_tokens")}
                    for direction in directions},
@@ -412,10 +436,10 @@ def group_summary(cases: list[dict], key: str) -> dict:
     return out
 
 
-def paired_ratio(cases: list[dict]) -> Optional[float]:
+def paired_ratio(cases: list[dict], directions: tuple[str, ...] = DIRECTIONS) -> Optional[float]:
     """Median over requests of adapter ms / callo ms: the two run back to back on the same request, so a drift in
     the machine's speed over the run (other work on a shared host) cancels out of each ratio."""
-    ratios = [c["adapter"][d]["ms"] / c["callo"][d]["ms"] for c in cases for d in DIRECTIONS
+    ratios = [c["adapter"][d]["ms"] / c["callo"][d]["ms"] for c in cases for d in directions
               if d in c["adapter"] and d in c["callo"] and not c["adapter"][d]["error"] and not c["callo"][d]["error"]]
     return float(np.median(ratios)) if ratios else None
 
@@ -463,6 +487,10 @@ def print_report(report: dict) -> None:
     r = {key: "-" if value is None else f"{value:.3f}" for key, value in report["ratios"].items()}
     out.print(f"adapter / callo: p50 (first sight of each state) {r['p50_forward']}, p50 (all requests) "
               f"{r['p50_all']}, median per-request ratio {r['median_per_request']}")
+    if "p50_forward_new" in r:
+        counts = {novelty: sides["adapter"]["latency_ms"][f"forward_{novelty}"]["n"] for novelty in ("new", "recurring")}
+        out.print(f"adapter / callo, first sight of each state: p50 where the option set is new ({counts['new']}) "
+                  f"{r['p50_forward_new']}, where it recurs ({counts['recurring']}) {r['p50_forward_recurring']}")
     marks = meta.get("abstain_marks")
     if marks is not None:
         out.print(f"abstain marks: {'sent' if marks['sent'] else 'not sent (--no-abstain-marks)'}: the adapter's "
@@ -488,6 +516,29 @@ def print_report(report: dict) -> None:
 
 
 # ---- the run ----------------------------------------------------------------------------------------
+
+
+def resumed_cases(path: Path, rows: list[dict]) -> list[dict]:
+    """The cases a run stopped part-way wrote to `path`, checked to be the first of `rows` in order (a resumed run
+    measures the rest); a clear exit when they are not (another --data or --limit) or a line is torn."""
+    if not path.is_file():
+        return []
+    cases = []
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            cases.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break  # the last line, torn by the stop: that decision is measured again
+            raise SystemExit(f"{path}:{number}: not JSON; delete the file to start over")
+    path.write_text("".join(json.dumps(case) + "\n" for case in cases))
+    ids = [row["id"] for row in rows[:len(cases)]]
+    if len(cases) > len(rows) or [c["id"] for c in cases] != ids:
+        raise SystemExit(f"{path} holds decisions that are not the first {len(cases)} of this run's --data/--limit; "
+                         "delete it to start over")
+    console.print(f">> resuming after {len(cases)} decisions measured in {path}")
+    return cases
 
 
 def model_and_rows(args: argparse.Namespace) -> tuple[Path, list[dict]]:
@@ -530,6 +581,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--think-deadline-ms", type=int, default=20_000,
                         help="with --think-budget: the adapter's second-look deadline_ms (default 20000, at most "
                              "40000, inside the adapter's 50 s request deadline; callo's thinking has none)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the decisions already measured in OUT's .cases.jsonl (written as the run goes) "
+                             "and measure the rest; the run's other flags must be the ones it started with")
     parser.add_argument("--forward-only", action="store_true",
                         help="send each decision once, options as written (no order stability)")
     parser.add_argument("--no-abstain-marks", dest="abstain_marks", action="store_false",
@@ -557,10 +611,16 @@ def main() -> int:
             raise SystemExit("--below-margin must be in (0, 1] and --think-deadline-ms 1 to 40000")
         thinking = Thinking(args.think_budget, args.below_margin, args.think_deadline_ms)
     directions = DIRECTIONS[:1] if args.forward_only else DIRECTIONS
+    if args.resume and args.out is None:
+        raise SystemExit("--resume needs --out: the report whose .cases.jsonl the stopped run wrote")
     callo_bin, callo_version = ensure_callo(CALLO_VENV)
     started = dt.datetime.now(dt.timezone.utc)
     out_path = args.out or REPO / "reports" / f"bench-callo-{started:%Y%m%dT%H%M%SZ}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    cases_path = out_path.with_suffix(".cases.jsonl")
+    resumed = resumed_cases(cases_path, rows) if args.resume else []
+    if not args.resume:
+        cases_path.unlink(missing_ok=True)
     host = host_record(args.llama_server)
     marked = sum(1 for row in rows if row.get("abstain_option") is not None) if args.abstain_marks else 0
     console.print(f">> model {model.name}, {args.threads} threads, {len(rows)} decisions ({marked} with the abstain "
@@ -585,17 +645,20 @@ def main() -> int:
                     # thinking mode: better said now than after the whole run.
                     raise SystemExit(f"{side.name} failed its warm-up request: {reply.error}")
 
-        cases = []
+        cases = resumed
+        new_sets = first_sightings(rows)
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             console=console)
-        with progress:
-            task = progress.add_task("decisions", total=len(rows))
+        with progress, open(cases_path, "a") as cases_file:
+            task = progress.add_task("decisions", total=len(rows), completed=len(resumed))
             for index, row in enumerate(rows):
+                if index < len(resumed):
+                    continue
                 case = {"id": row["id"], "category": row.get("category", "all"),
                         "decision_id": row.get("decision_id") or row.get("category", "all"), "answer": row["answer"],
                         "abstain_option": row.get("abstain_option"),
                         "abstain_marked": args.abstain_marks and row.get("abstain_option") is not None,
-                        "adapter": {}, "callo": {}}
+                        "option_set_new": new_sets[index], "adapter": {}, "callo": {}}
                 for turn, direction in enumerate(directions):
                     bodies = side_bodies(row, direction == "reversed", args.abstain_marks)
                     order = side_order(index, turn)
@@ -605,6 +668,8 @@ def main() -> int:
                         case[name][direction] = {**asdict(reply), "nll": answer_nll(reply, row["answer"]),
                                                  "first": name == order[0]}
                 cases.append(case)
+                cases_file.write(json.dumps(case) + "\n")
+                cases_file.flush()  # written as it goes: a run stopped part-way keeps what it measured
                 progress.advance(task)
                 if not console.is_terminal and (len(cases) % 10 == 0 or len(cases) == len(rows)):
                     # Off a terminal (a log file) the bar does not redraw: a line every ten decisions instead.
@@ -626,6 +691,7 @@ def main() -> int:
             "adapter_env": adapter_env, "adapter_template_version": adapter_record.get("template_version"),
             "adapter_llama_cpp_build": adapter_record.get("llama_cpp_build"),
             "directions": list(directions), "thinking": asdict(thinking) if thinking else None,
+            "resumed_cases": len(resumed), "option_sets": {"new": sum(new_sets), "recurring": len(rows) - sum(new_sets)},
             # Whether the adapter's requests marked the rows' abstain options (x_abstain_option), and on how many.
             "abstain_marks": abstain_marks_record(cases, args.abstain_marks),
             "host": {**host, "loadavg_end": list(os.getloadavg())},
@@ -638,7 +704,9 @@ def main() -> int:
     }
     a, c = report["summary"]["adapter"]["latency_ms"], report["summary"]["callo"]["latency_ms"]
     report["ratios"] = {"p50_forward": ratio_of(a["forward"]["p50"], c["forward"]["p50"]),
-                        "p50_all": ratio_of(a["all"]["p50"], c["all"]["p50"]), "median_per_request": paired_ratio(cases)}
+                        "p50_all": ratio_of(a["all"]["p50"], c["all"]["p50"]), "median_per_request": paired_ratio(cases),
+                        **{f"p50_forward_{novelty}": ratio_of(a[f"forward_{novelty}"]["p50"], c[f"forward_{novelty}"]["p50"])
+                           for novelty in ("new", "recurring")}}
     out_path.write_text(json.dumps(report, indent=1))
     print_report(report)
     console.print(f">> report: {out_path}")
