@@ -22,6 +22,12 @@ every combination below comes from the same model calls:
   log-probability), or all are read. δ is chosen as the smallest value whose early stop changes the final
   choice in at most 2% of rows compared with reading every rotation.
 
+With --abstain-last, the rows that mark an abstain option (`abstain_option`, data/README.md) are read once more
+in every cyclic rotation of the other options' canonical order with the abstain option kept last (n − 1 reads,
+to a side file `<out>.abstain-last.jsonl`): what `rotations` reads when the caller marks that option, since
+"none of these" or "needs more information" reads as the last choice, not as one among the others. The summary
+then reports `abstain_last` beside the plain rotations (rows without a mark count their plain rotations).
+
 Rows are taken stratified (`--limit`, the groups of tools/calibration_study.py). Records go to --out as JSON
 Lines as they come (a rerun resumes); the summary is written beside it (`.summary.json`). Choose on the dev
 split only.
@@ -77,7 +83,7 @@ def stop_after(reads: list[np.ndarray], delta: float) -> int:
     return n
 
 
-def summarise(records: list[dict]) -> dict:
+def summarise(records: list[dict], abstain_last: dict | None = None) -> dict:
     def acc(picks):
         return sum(int(p == r["answer"]) for p, r in zip(picks, records)) / len(records)
 
@@ -123,6 +129,23 @@ def summarise(records: list[dict]) -> dict:
                             "all_rotations": round(sum(int(per_row[i]["all"] == records[i]["answer"]) for i in ix) / len(ix), 3)}
                         for g, ix in by_group.items()}
     out["given_ms_p50"] = round(statistics.median(r["given_ms"] for r in records), 1)
+    covered = [r for r in records if r["id"] in (abstain_last or {})]
+    if covered:
+        # Marked rows read with the abstain option kept last; the others as plain rotations.
+        reads = [[np.asarray(x) for x in abstain_last[r["id"]]["rotations"]] if r["id"] in abstain_last else p["rot"]
+                 for r, p in zip(records, per_row)]
+        picks_all = [int(np.argmax(combined(rs))) for rs in reads]
+        entry = {"marked_rows": len(covered), "accuracy": round(acc(picks_all), 3),
+                 "mean_reads": round(statistics.mean(len(rs) for rs in reads), 2), "stop_rules": []}
+        for delta in [0.0, 0.25, 0.5, 1.0]:
+            ks = [stop_after(rs, delta) for rs in reads]
+            picks = [int(np.argmax(combined(rs[:k]))) for rs, k in zip(reads, ks)]
+            entry["stop_rules"].append({
+                "delta": delta, "accuracy": round(acc(picks), 3), "mean_reads": round(statistics.mean(ks), 2),
+                "changed_vs_all": round(sum(a != b for a, b in zip(picks, picks_all)) / len(picks), 3),
+                "per_group": {g: round(sum(int(picks[i] == records[i]["answer"]) for i in ix) / len(ix), 3)
+                              for g, ix in by_group.items()}})
+        out["abstain_last"] = entry
     return out
 
 
@@ -134,12 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", default=str(REPO / "results" / "order-study.jsonl"))
     parser.add_argument("--summary-only", action="store_true", help="summarise the records in --out, score nothing")
+    parser.add_argument("--abstain-last", action="store_true",
+                        help="also read marked rows with the abstain option kept last in every rotation")
     args = parser.parse_args(argv)
 
     chosen, once = chosen_rows(args.data, args.limit)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = records_so_far(out)
+    side = Path(str(out) + ".abstain-last.jsonl")
+    last_done = records_so_far(side)
     if not args.summary_only:
         from rich.progress import Progress
 
@@ -189,6 +216,24 @@ def main(argv: list[str] | None = None) -> int:
                 sink.write(json.dumps(rec) + "\n")
                 sink.flush()
                 progress.advance(task)
+        if args.abstain_last:
+            marked = [r for r in chosen if r.get("abstain_option") is not None and r["id"] not in last_done]
+            with side.open("a", encoding="utf-8") as sink, Progress() as progress:
+                task = progress.add_task("abstain last", total=len(marked))
+                for row in marked:
+                    canon_ids = sorted(o["id"] for o in row["options"])
+                    n, last = len(canon_ids), canon_ids.index(row["abstain_option"])
+                    others = [i for i in range(n) if i != last]
+                    reads, ms_list = [], []
+                    for r in rotation_schedule(n - 1):
+                        logits, ms = read(row, [others[(i + r) % (n - 1)] for i in range(n - 1)] + [last])
+                        reads.append(logits)
+                        ms_list.append(round(ms, 1))
+                    rec = {"id": row["id"], "abstain_index": last, "rotations": reads, "rotation_ms": ms_list}
+                    last_done[row["id"]] = rec
+                    sink.write(json.dumps(rec) + "\n")
+                    sink.flush()
+                    progress.advance(task)
     records = [done[r["id"]] for r in chosen if r["id"] in done]
     if not records:
         print("no records to summarise", file=sys.stderr)
@@ -197,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                         text=True).stdout.strip(),
-               "model": Path(args.model).name, "data": Path(args.data).name, **summarise(records)}
+               "model": Path(args.model).name, "data": Path(args.data).name, **summarise(records, last_done)}
     Path(str(out) + ".summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("stop_rules", "rotations_curve")}, indent=1))
     for r in summary["stop_rules"]:
