@@ -307,6 +307,11 @@ def test_system_one_reports_the_second_look(client):
     ({"decision": DECISION, "policy": {"min_margin": 0.5, "second_look": {"below_margin": 0.5}}},
      "policy.second_look.below_margin"),
     ({"decision": DECISION, "scoring": "sequence", "second_look": {}}, "second_look"),
+    ({"decision": DECISION, "second_look": {"settle_every": -1}}, "second_look.settle_every"),
+    ({"decision": DECISION, "second_look": {"settle_every": "16"}}, "second_look.settle_every"),
+    ({"decision": DECISION, "second_look": {"max_tokens": 8, "settle_every": 9}}, "second_look.settle_every"),
+    ({"decision": DECISION, "policy": {"min_margin": 0.5, "second_look": {"max_tokens": 8, "settle_every": 16}}},
+     "policy.second_look.settle_every"),
 ])
 def test_bad_spec_is_a_422_naming_the_field(client, body, field):
     response = client.post("/v1/semif", json=body)
@@ -444,3 +449,150 @@ def test_a_second_look_request_is_never_collected_with_others():
     assert collector._take() == [plain, plain]
     assert collector._take() == [looking]
     assert collector._take() == [plain]
+
+
+# ---- peeks: the early exit once the reasoning has settled ------------------------------------------------
+
+
+SLOW_MACHINE_S = 600.0  # a look's deadline that a loaded machine never reaches: these tests compare reasoning
+
+
+def _look(engine, below_margin=1.0, **config):
+    from semif.serving.engine.plan import SecondLook
+
+    look = SecondLook(below_margin=below_margin, deadline_s=SLOW_MACHINE_S, **config)
+    return engine.score(TICKET, [_question()], second_look=look).distributions[0]
+
+
+def _reasoning_tokens(engine, monkeypatch, **config) -> tuple[list[int], object]:
+    """The tokens the look reasons, as the model decoded them (one at a time, as generation does; a peek's
+    cue is several), and its answer."""
+    decoded: list[int] = []
+    real = engine._decode
+
+    def decode(tokens, want):
+        if len(tokens) == 1:
+            decoded.append(int(tokens[0]))
+        return real(tokens, want)
+
+    monkeypatch.setattr(engine, "_decode", decode)
+    try:
+        answer = _look(engine, **config)
+    finally:
+        monkeypatch.undo()
+    return decoded[len(decoded) - answer.second_look["reasoning_tokens"]:], answer
+
+
+def test_a_settled_look_stops_and_decides_with_the_read_at_that_point(engine):
+    # The first pass's margin (about 0.1) is below 0.3: it looks again. Settle margin 0: two peeks in a row
+    # that choose alike and clear the look's own margin of 0.3 settle it (on this model the first two do).
+    settled = _look(engine, below_margin=0.3, max_tokens=64, settle_every=4, settle_margin=0.0)
+    look = settled.second_look
+    assert look["stopped"] == "settled" and look["decided_by"] == "second_look"
+    assert look["peeks"] == len(look["peek_choices"]) >= 2
+    assert look["peek_choices"][-1] == look["peek_choices"][-2]
+    assert look["reasoning_tokens"] == 4 * look["peeks"] < 64
+    # The last peek is the read after the cue at that point: a look whose budget ends there, without peeks,
+    # reasons the same and reads the same distribution.
+    cut = _look(engine, below_margin=0.3, max_tokens=look["reasoning_tokens"], settle_every=0)
+    assert cut.second_look["stopped"] == "budget" and cut.second_look["reasoning"] == look["reasoning"]
+    assert settled.probabilities == pytest.approx(cut.probabilities, abs=1e-6)
+    assert settled.option_logits == pytest.approx(cut.option_logits, abs=1e-5)
+    assert look["peek_choices"][-1] == max(range(3), key=lambda i: cut.probabilities[i])  # an index, as probabilities
+    # No read after the last peek: the cut look evaluates one cue for its final read, the settled one one per peek.
+    cue = len(engine._tokenize(second_look_pass.SECOND_LOOK_CUE, special=False))
+    assert look["evaluated_tokens"] - cut.second_look["evaluated_tokens"] == (look["peeks"] - 1) * cue
+    # Peeks every 8 tokens change their mind each time on this model: however clear the last one, no exit.
+    wavering = _look(engine, below_margin=0.3, max_tokens=64, settle_every=8, settle_margin=0.0).second_look
+    choices = wavering["peek_choices"]
+    assert len(choices) >= 2 and all(a != b for a, b in zip(choices, choices[1:]))
+    assert wavering["stopped"] != "settled"
+    # Peeks that agree but never clear the threshold that started the look (margin 1.0) never settle it.
+    unclear = _look(engine, below_margin=1.0, max_tokens=64, settle_every=4, settle_margin=0.0).second_look
+    assert unclear["peeks"] >= 2 and unclear["peek_choices"][0] == unclear["peek_choices"][1]
+    assert unclear["stopped"] != "settled"
+
+
+def test_the_settle_rule_needs_agreement_the_margin_and_the_looks_own_thresholds_cleared():
+    from semif.serving.engine.plan import SecondLook
+
+    rule = SecondLook(below_margin=0.3, settle_every=4, settle_agree=2, settle_margin=0.5)
+    assert rule.settled([(1, 0.2, False), (1, 0.6, True)])
+    assert not rule.settled([(1, 0.6, True)])  # one peek is not agreement
+    assert not rule.settled([(0, 0.6, True), (1, 0.6, True)])  # disagreement
+    assert not rule.settled([(1, 0.6, True), (1, 0.4, True)])  # below settle_margin
+    assert not rule.settled([(1, 0.6, True), (1, 0.6, False)])  # the look's own threshold missed
+
+
+def test_peeks_leave_the_reasoning_exactly_as_without_them(engine, monkeypatch):
+    # A peek every 2 tokens that can never settle (a margin above 1), against no peeks at all.
+    peeked_tokens, peeked = _reasoning_tokens(engine, monkeypatch, max_tokens=48, settle_every=2, settle_margin=1.5)
+    plain_tokens, plain = _reasoning_tokens(engine, monkeypatch, max_tokens=48, settle_every=0)
+    look, off = peeked.second_look, plain.second_look
+    assert look["reasoning_tokens"] >= 8 and look["peeks"] >= (look["reasoning_tokens"] - 1) // 2
+    assert peeked_tokens == plain_tokens and len(plain_tokens) == off["reasoning_tokens"]
+    assert look["reasoning"] == off["reasoning"] and look["stopped"] == off["stopped"]
+    assert peeked.probabilities == pytest.approx(plain.probabilities, abs=1e-6)
+    # Peeks off: none made, none counted.
+    assert off["peeks"] == 0 and off["peek_choices"] == []
+    cue = len(engine._tokenize(second_look_pass.SECOND_LOOK_CUE, special=False))
+    assert look["evaluated_tokens"] - off["evaluated_tokens"] == look["peeks"] * cue
+
+
+def test_the_record_reports_the_budget_and_the_peeks(client):
+    ids = [o["id"] for o in DECISION["options"]]
+    look = semif(client, second_look={**ALWAYS, "max_tokens": 24, "deadline_ms": 120_000,
+                                      "settle_every": 4})["second_look"]
+    assert look["budget"] == {"max_tokens": 24, "deadline_ms": 120_000, "settle_every": 4}
+    assert look["peeks"] == len(look["peek_choices"]) >= 1 and set(look["peek_choices"]) <= set(range(len(ids)))
+    # A policy's budget reaches the look too; the defaults when it gives none.
+    look = semif(client, policy={"min_margin": 1.0, "second_look": {"max_tokens": 24, "settle_every": 0}})["second_look"]
+    assert look["budget"] == {"max_tokens": 24, "deadline_ms": 20_000, "settle_every": 0} and look["peeks"] == 0
+    look = semif(client, second_look=ALWAYS)["second_look"]
+    assert look["budget"] == {"max_tokens": 128, "deadline_ms": 20_000, "settle_every": 0}  # peeks are opt-in
+    assert look["peeks"] == 0
+
+
+def test_peeks_count_in_the_token_budget(engine, model_path):
+    from starlette.testclient import TestClient
+
+    from semif.serving.engine.plan import SecondLook, TokenBudgetExceeded
+    from semif.serving.http.app import create_app
+    from serving import make_settings
+
+    cue = len(engine._tokenize(second_look_pass.SECOND_LOOK_CUE, special=False))
+    off = engine.plan(TICKET, [_question()], debias="none",
+                      second_look=SecondLook(below_margin=1.0, max_tokens=16, settle_every=0))
+    # One peek after each 4 tokens, before the budget: 3 peeks.
+    every4 = SecondLook(below_margin=1.0, max_tokens=16, settle_every=4)
+    on = engine.plan(TICKET, [_question()], debias="none", second_look=every4)
+    assert on.worst_case_tokens == off.worst_case_tokens + 3 * cue
+    # What a look peeking at every token really evaluates, from a cold context, fits its worst case.
+    every1 = SecondLook(below_margin=1.0, max_tokens=16, settle_every=1, settle_margin=1.5, deadline_s=SLOW_MACHINE_S)
+    planned = engine.plan(TICKET, [_question()], debias="none", second_look=every1)
+    start_cold(engine)
+    result = engine.execute(planned)
+    assert result.distributions[0].second_look["peeks"] == result.distributions[0].second_look["reasoning_tokens"] - 1
+    assert result.evaluated_tokens <= planned.worst_case_tokens
+    # Fits without peeks, not with them: refused naming the field.
+    with pytest.raises(TokenBudgetExceeded) as over:
+        engine.plan(TICKET, [_question()], debias="none", second_look=every4, max_request_tokens=off.worst_case_tokens)
+    assert over.value.field == "second_look" and "settle_every 4" in str(over.value)
+    with TestClient(create_app(make_settings(model_path, max_request_tokens=off.worst_case_tokens), engine),
+                    raise_server_exceptions=False) as http:
+        body = {"decision": DECISION, "debias": "none"}
+        look = {"below_margin": 1.0, "max_tokens": 16}
+        assert http.post("/v1/semif", json={**body, "second_look": {**look, "settle_every": 0}}).status_code == 200
+        refused = http.post("/v1/semif", json={**body, "second_look": {**look, "settle_every": 4}})
+        assert refused.status_code == 413, refused.text
+        assert refused.json()["error"]["field"] == "second_look"
+
+
+def test_a_model_that_cannot_drop_a_peek_reasons_without_peeks(engine, monkeypatch):
+    from semif.serving.engine.plan import SecondLook
+
+    monkeypatch.setattr(engine, "partial_rewind", False)  # as a recurrent or hybrid model reports
+    without = engine.plan(TICKET, [_question()], second_look=SecondLook(below_margin=1.0, settle_every=0))
+    asked = engine.plan(TICKET, [_question()], second_look=SecondLook(below_margin=1.0, settle_every=16))
+    assert asked.second_look.settle_every == 0  # what the answer's budget.settle_every reports
+    assert asked.worst_case_tokens == without.worst_case_tokens  # no peek counted

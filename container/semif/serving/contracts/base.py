@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ..engine.context import ScoreResult
 from ..engine.plan import DEBIAS_MODES, SecondLook
@@ -23,6 +23,7 @@ MAX_SECOND_LOOK_TOKENS = 1024
 DEFAULT_SECOND_LOOK_DEADLINE_MS = 20_000
 MAX_SECOND_LOOK_DEADLINE_MS = 120_000
 DEFAULT_SECOND_LOOK_MARGIN = 0.2  # a first pass whose top two options lie closer than this looks again
+DEFAULT_SECOND_LOOK_SETTLE_EVERY = 0  # reasoning tokens between two peeks at the labels; 0: never peek (opt-in)
 
 
 def excerpt(value: Any, limit: int = ECHO_PART) -> str:
@@ -208,28 +209,49 @@ def first_validation_error(exc: ValidationError, code: str = "invalid_request") 
 
 
 class SecondLookBudget(BaseModel):
-    """`second_look` inside a policy: only the budget; the thresholds are the policy's."""
+    """`second_look` inside a policy: only the budget (`max_tokens`, `deadline_ms`, `settle_every`); the
+    thresholds are the policy's."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     max_tokens: int = Field(default=DEFAULT_SECOND_LOOK_TOKENS, ge=1, le=MAX_SECOND_LOOK_TOKENS)
     deadline_ms: int = Field(default=DEFAULT_SECOND_LOOK_DEADLINE_MS, ge=1, le=MAX_SECOND_LOOK_DEADLINE_MS)
+    # Peek at the labels every this many reasoning tokens and stop once they agree (engine.plan.SecondLook);
+    # 0: never. The default (not checked against max_tokens) simply never peeks under a smaller budget.
+    settle_every: int = Field(default=DEFAULT_SECOND_LOOK_SETTLE_EVERY, ge=0, le=MAX_SECOND_LOOK_TOKENS)
+
+    @field_validator("settle_every")
+    @classmethod
+    def _within_budget(cls, value: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")
+        if max_tokens is not None and value > max_tokens:
+            raise ValueError(f"must be at most max_tokens ({max_tokens}), or 0 to never peek")
+        return value
+
+    def config(self, policy: Optional[dict] = None) -> SecondLook:
+        """The engine's second look: below the policy's own thresholds (`min_probability`, `min_margin`,
+        `min_label_mass`; none: the policy accepts every answer, so nothing looks again)."""
+        return self._look(*((policy or {}).get(k) for k in ("min_probability", "min_margin", "min_label_mass")))
+
+    def _look(self, probability: Optional[float], margin: Optional[float], mass: Optional[float]) -> SecondLook:
+        return SecondLook(below_probability=probability or 0.0, below_margin=margin or 0.0,
+                          below_label_mass=mass or 0.0, max_tokens=self.max_tokens,
+                          deadline_s=self.deadline_ms / 1000, settle_every=self.settle_every)
 
 
 class SecondLookSpec(SecondLookBudget):
     """`second_look` in a request: `{"below_margin", "below_probability", "below_label_mass", "max_tokens",
-    "deadline_ms"}`. A first-pass answer below any threshold gets a second look; with no threshold given,
-    `below_margin` is DEFAULT_SECOND_LOOK_MARGIN. In a policy the thresholds are the policy's own
-    (`min_probability`, `min_margin`, `min_label_mass`): an answer the policy would not accept looks again."""
+    "deadline_ms", "settle_every"}`. A first-pass answer below any threshold gets a second look; with no
+    threshold given, `below_margin` is DEFAULT_SECOND_LOOK_MARGIN. In a policy the thresholds are the policy's
+    own (`min_probability`, `min_margin`, `min_label_mass`): an answer the policy would not accept looks again."""
 
     below_probability: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     below_margin: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     below_label_mass: Optional[float] = Field(default=None, ge=0.0, le=1.0)
 
     def config(self, policy: Optional[dict] = None) -> SecondLook:
-        thresholds = ((policy.get("min_probability"), policy.get("min_margin"), policy.get("min_label_mass"))
-                      if policy is not None else (self.below_probability, self.below_margin, self.below_label_mass))
-        if all(t is None for t in thresholds) and policy is None:
-            thresholds = (None, DEFAULT_SECOND_LOOK_MARGIN, None)  # a policy without thresholds accepts all
-        probability, margin, mass = (t or 0.0 for t in thresholds)
-        return SecondLook(below_probability=probability, below_margin=margin, below_label_mass=mass,
-                          max_tokens=self.max_tokens, deadline_s=self.deadline_ms / 1000)
+        if policy is not None:
+            return super().config(policy)
+        thresholds = (self.below_probability, self.below_margin, self.below_label_mass)
+        if all(t is None for t in thresholds):
+            thresholds = (None, DEFAULT_SECOND_LOOK_MARGIN, None)
+        return self._look(*thresholds)

@@ -317,7 +317,7 @@ def parse(body: Any, limits: Limits) -> Job:
         policy = request.policy.model_dump(exclude_none=True, exclude={"second_look"})
         if request.policy.second_look is not None and job.second_look is None:
             budget = request.policy.second_look
-            job.second_look = SecondLookSpec(max_tokens=budget.max_tokens, deadline_ms=budget.deadline_ms).config(policy)
+            job.second_look = budget.config(policy)
             job.second_look_field = "policy.second_look"
         try:  # the policy module's own rules, checked now: never after the model has done the work
             Policy.from_mapping(policy)

@@ -194,13 +194,37 @@ class SecondLook:
     """The second look for ambiguous decisions (opt-in per request or per policy): when the first pass's
     top probability, margin or label mass is below its threshold, the model reasons greedily for at most
     ``max_tokens`` tokens and ``deadline_s`` seconds from the same prefix, then the label is read again.
-    The first pass's answer stays in the result; the second pass's decides."""
+    The first pass's answer stays in the result; the second pass's decides.
+
+    Every ``settle_every`` reasoning tokens (0, the default: never) the labels are peeked at: read after the
+    answer cue on a side branch that is dropped again, so the reasoning goes on exactly as without peeks.
+    When the last ``settle_agree`` peeks chose the same option, the last one's margin is at least
+    ``settle_margin`` and it clears the thresholds that started the look (``reason`` finds nothing), the
+    reasoning has settled: it stops there, and that peek decides (it is the read after the cue at that
+    point)."""
 
     below_probability: float = 0.0
     below_margin: float = 0.0
     below_label_mass: float = 0.0
     max_tokens: int = 128
     deadline_s: float = 20.0
+    settle_every: int = 0
+    settle_agree: int = 2
+    settle_margin: float = 0.5
+
+    def max_peeks(self) -> int:
+        """The most peeks one look makes: one per ``settle_every`` tokens, before the budget (the read at the
+        budget is the final one, not a peek)."""
+        return (self.max_tokens - 1) // self.settle_every if self.settle_every > 0 else 0
+
+    def settled(self, peeks: Sequence[tuple[int, float, bool]]) -> bool:
+        """Whether the reasoning has settled, from the peeks so far as (choice, margin, clear), oldest first;
+        ``clear``: the peek misses none of the look's own thresholds (``reason`` is None)."""
+        if len(peeks) < self.settle_agree:
+            return False
+        recent = peeks[-self.settle_agree:]
+        choice, margin, clear = recent[-1]
+        return all(c == choice for c, _, _ in recent) and margin >= self.settle_margin and clear
 
     def reason(self, probabilities: Sequence[float], label_mass: Optional[float]) -> Optional[str]:
         """Why the first pass is ambiguous (the first threshold it misses), or None: no second look."""
