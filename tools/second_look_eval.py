@@ -73,18 +73,18 @@ def main() -> None:
         return replay(json.loads(args.replay.read_text()))
     if args.model is None:
         parser.error("MODEL.gguf is required (or --replay)")
-    try:
-        budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
-    except ValueError:
-        parser.error(f"--budgets: comma-separated integers, got {args.budgets!r}")
-    if not budgets or min(budgets) < 1:
-        parser.error("--budgets: at least one budget, each ≥ 1")
-    try:
-        settles = [int(b) for b in args.settle_every.split(",") if b.strip()]
-    except ValueError:
-        parser.error(f"--settle-every: comma-separated integers, got {args.settle_every!r}")
-    if not settles or min(settles) < 0:
-        parser.error("--settle-every: at least one value, each ≥ 0")
+    def integers(flag: str, text: str, least: int) -> list[int]:
+        """A comma-separated list of integers, each ≥ least; a usage error otherwise."""
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            parser.error(f"{flag}: comma-separated integers, got {text!r}")
+        if not values or min(values) < least:
+            parser.error(f"{flag}: at least one value, each ≥ {least}")
+        return values
+
+    budgets = integers("--budgets", args.budgets, 1)
+    settles = integers("--settle-every", args.settle_every, 0)
     if args.settle_agree < 1:
         parser.error("--settle-agree: at least 1")
     if not 0.0 <= args.below_margin <= 1.0:
