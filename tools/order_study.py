@@ -15,6 +15,8 @@ Per read, the option logits (indexed by canonical position) and the read's compu
 every combination below comes from the same model calls:
 
 - `given`, `reversed`: one read each; their agreement is the "same choice reversed" figure today.
+- `reverse_pair`: debias "reverse", the mean log-probability of those two reads; the listing and its reverse
+  make the same pair, so both give this answer.
 - `rotations_k`: the mean log-probability of the first k scheduled rotations, k = 1 … n (k = 1 is the
   canonical order alone; the same whatever the listing).
 - `stop_rule(δ)`: read rotations in schedule until the combined answer cannot change any more if each unread
@@ -27,6 +29,12 @@ in every cyclic rotation of the other options' canonical order with the abstain 
 to a side file `<out>.abstain-last.jsonl`): what `rotations` reads when the caller marks that option, since
 "none of these" or "needs more information" reads as the last choice, not as one among the others. The summary
 then reports `abstain_last` beside the plain rotations (rows without a mark count their plain rotations).
+
+With --content-free, each row's content-free prior is read for the listing and for its reverse (the prior
+depends on the order shown; to a side file `<out>.content-free.jsonl`, in canonical order), and the summary
+reports `content_free` (the raw reads less the content-free log-prior, the server's calibration) and
+`content_free_keep_abstain` (the row's marked abstain option keeps its content-free share) in both listings,
+so that calibration is judged by the same figures as the reads in several orders.
 
 Rows are taken stratified (`--limit`, the groups of tools/calibration_study.py). Records go to --out as JSON
 Lines as they come (a rerun resumes); the summary is written beside it (`.summary.json`). Choose on the dev
@@ -83,7 +91,16 @@ def stop_after(reads: list[np.ndarray], delta: float) -> int:
     return n
 
 
-def summarise(records: list[dict], abstain_last: dict | None = None) -> dict:
+def calibrated(rec: dict, priors: dict, which: str, keep_abstain: bool) -> int:
+    """The choice content-free calibration makes on the ``which`` listing ("given" or "reversed")."""
+    from semif.serving.engine.passes.prior import content_free_shift  # what the adapter subtracts
+
+    abstain = rec.get("abstain_index") if keep_abstain else None
+    raw = np.asarray(rec[which], dtype=np.float64)
+    return int(np.argmax(raw - content_free_shift(np.log(np.maximum(priors[which], 1e-300)), abstain)))
+
+
+def summarise(records: list[dict], abstain_last: dict | None = None, content_free: dict | None = None) -> dict:
     def acc(picks):
         return sum(int(p == r["answer"]) for p, r in zip(picks, records)) / len(records)
 
@@ -94,12 +111,14 @@ def summarise(records: list[dict], abstain_last: dict | None = None) -> dict:
     for r in records:
         rot = [np.asarray(x) for x in r["rotations"]]
         per_row.append({"given": int(np.argmax(r["given"])), "reversed": int(np.argmax(r["reversed"])),
+                        "pair": int(np.argmax(combined([np.asarray(r["given"]), np.asarray(r["reversed"])]))),
                         "all": int(np.argmax(combined(rot))), "rot": rot})
     out: dict = {"rows": len(records)}
     out["given"] = {"accuracy": round(acc([p["given"] for p in per_row]), 3)}
     out["reversed"] = {"accuracy": round(acc([p["reversed"] for p in per_row]), 3)}
     out["same_choice_reversed_none"] = round(sum(p["given"] == p["reversed"] for p in per_row) / len(per_row), 3)
     out["both_orders_mean_accuracy_none"] = round((out["given"]["accuracy"] + out["reversed"]["accuracy"]) / 2, 3)
+    out["reverse_pair"] = {"accuracy": round(acc([p["pair"] for p in per_row]), 3), "reads": 2}
     curve = []
     for k in range(1, 13):
         picks = [int(np.argmax(combined(p["rot"][:k]))) for p in per_row]
@@ -125,6 +144,7 @@ def summarise(records: list[dict], abstain_last: dict | None = None) -> dict:
     out["per_group"] = {g: {"n": len(ix),
                             "given": round(sum(int(per_row[i]["given"] == records[i]["answer"]) for i in ix) / len(ix), 3),
                             "reversed": round(sum(int(per_row[i]["reversed"] == records[i]["answer"]) for i in ix) / len(ix), 3),
+                            "reverse_pair": round(sum(int(per_row[i]["pair"] == records[i]["answer"]) for i in ix) / len(ix), 3),
                             "canonical": round(sum(int(np.argmax(per_row[i]["rot"][0]) == records[i]["answer"]) for i in ix) / len(ix), 3),
                             "all_rotations": round(sum(int(per_row[i]["all"] == records[i]["answer"]) for i in ix) / len(ix), 3)}
                         for g, ix in by_group.items()}
@@ -146,6 +166,22 @@ def summarise(records: list[dict], abstain_last: dict | None = None) -> dict:
                 "per_group": {g: round(sum(int(picks[i] == records[i]["answer"]) for i in ix) / len(ix), 3)
                               for g, ix in by_group.items()}})
         out["abstain_last"] = entry
+    with_cf = [r for r in records if r["id"] in (content_free or {})]
+    if with_cf:
+        # Over the rows whose priors were read (all of them once the side file is complete).
+        for name, keep in (("content_free", False), ("content_free_keep_abstain", True)):
+            picks = {w: [calibrated({**r, "abstain_index": content_free[r["id"]].get("abstain_index")},
+                                    content_free[r["id"]], w, keep) for r in with_cf] for w in ("given", "reversed")}
+            hit = {w: [int(p == r["answer"]) for p, r in zip(picks[w], with_cf)] for w in picks}
+            out[name] = {"rows": len(with_cf),
+                         "given": round(sum(hit["given"]) / len(with_cf), 3),
+                         "reversed": round(sum(hit["reversed"]) / len(with_cf), 3),
+                         "same_choice_reversed": round(sum(a == b for a, b in zip(picks["given"], picks["reversed"]))
+                                                       / len(with_cf), 3),
+                         "per_group": {g: {"n": len(ix), **{w: round(sum(hit[w][i] for i in ix) / len(ix), 3)
+                                                            for w in ("given", "reversed")}}
+                                       for g in sorted({r["group"] for r in with_cf})
+                                       for ix in [[i for i, r in enumerate(with_cf) if r["group"] == g]]}}
     return out
 
 
@@ -159,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-only", action="store_true", help="summarise the records in --out, score nothing")
     parser.add_argument("--abstain-last", action="store_true",
                         help="also read marked rows with the abstain option kept last in every rotation")
+    parser.add_argument("--content-free", action="store_true",
+                        help="also read each row's content-free prior in the listing and its reverse")
     args = parser.parse_args(argv)
 
     chosen, once = chosen_rows(args.data, args.limit)
@@ -167,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     done = records_so_far(out)
     side = Path(str(out) + ".abstain-last.jsonl")
     last_done = records_so_far(side)
+    cf_side = Path(str(out) + ".content-free.jsonl")
+    cf_done = records_so_far(cf_side)
     if not args.summary_only:
         from rich.progress import Progress
 
@@ -189,6 +229,19 @@ def main(argv: list[str] | None = None) -> int:
             for position, index in enumerate(order):
                 logits[index] = dist.option_logits[position]
             return logits, ms
+
+        def prior(row: dict, order: list[int]) -> list[float]:
+            """The content-free prior of the question with its options shown in ``order`` (canonical
+            indices), put back in canonical order: what debias "content_free" divides out for that listing."""
+            canon = sorted(row["options"], key=lambda o: o["id"])
+            question = Question(row["question"], tuple(Outcome(canon[i]["id"], canon[i].get("description"))
+                                                       for i in order), kind="choice")
+            # The prior does not depend on the state: a one-word state keeps the request's own read cheap.
+            dist = engine.score("-", [question], scoring="label", debias="content_free").distributions[0]
+            out = [0.0] * len(order)
+            for position, index in enumerate(order):
+                out[index] = dist.content_free["prior"][position]
+            return out
 
         with out.open("a", encoding="utf-8") as sink, Progress() as progress:
             task = progress.add_task("rows", total=len(chosen), completed=sum(r["id"] in done for r in chosen))
@@ -234,6 +287,21 @@ def main(argv: list[str] | None = None) -> int:
                     sink.write(json.dumps(rec) + "\n")
                     sink.flush()
                     progress.advance(task)
+        if args.content_free:
+            todo = [r for r in chosen if r["id"] not in cf_done]
+            with cf_side.open("a", encoding="utf-8") as sink, Progress() as progress:
+                task = progress.add_task("content-free priors", total=len(todo))
+                for row in todo:
+                    canon_ids = sorted(o["id"] for o in row["options"])
+                    given_order = [canon_ids.index(o["id"]) for o in row["options"]]
+                    rec = {"id": row["id"], "abstain_index": (canon_ids.index(row["abstain_option"])
+                                                              if row.get("abstain_option") else None)}
+                    for which, order in (("given", given_order), ("reversed", given_order[::-1])):
+                        rec[which] = prior(row, order)
+                    cf_done[row["id"]] = rec
+                    sink.write(json.dumps(rec) + "\n")
+                    sink.flush()
+                    progress.advance(task)
     records = [done[r["id"]] for r in chosen if r["id"] in done]
     if not records:
         print("no records to summarise", file=sys.stderr)
@@ -242,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                         text=True).stdout.strip(),
-               "model": Path(args.model).name, "data": Path(args.data).name, **summarise(records, last_done)}
+               "model": Path(args.model).name, "data": Path(args.data).name, **summarise(records, last_done, cf_done)}
     Path(str(out) + ".summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("stop_rules", "rotations_curve")}, indent=1))
     for r in summary["stop_rules"]:
