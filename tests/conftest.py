@@ -20,7 +20,7 @@ def model_path() -> Path:
 def engine(model_path):
     """The session's engine at the server's shipped defaults (semif/serving/config.py): flash attention on,
     the label memo on, 256 MiB of prefix snapshots, n_batch 512. Its own default debiasing is the engine's
-    ("none"); requests through `app`/`client` get the server's (SEMIF_DEBIAS, content_free), and a test that
+    ("none"); requests through `app`/`client` get the server's (SEMIF_DEBIAS, reverse), and a test that
     compares the two passes `debias` to the engine. Only the context is smaller than the
     shipped default (the model's training context): 4096 tokens, which changes memory, not a logit.
     An exact comparison with an independent evaluation recomputes the answer's `prompt.recompute` record
@@ -36,7 +36,7 @@ def engine(model_path):
 
 @pytest.fixture(autouse=True)
 def _no_priors_from_other_tests(request):
-    """Content-free priors (the server's default debiasing) are kept on the session's engine: each test that
+    """Content-free priors (debias content_free) are kept on the session's engine: each test that
     uses it starts without any, so what a request evaluates never depends on the order tests ran in."""
     if {"engine", "app", "client"} & set(request.fixturenames):
         request.getfixturevalue("engine").clear_content_free()

@@ -121,6 +121,6 @@ def gemma_model() -> Path:
 
 
 def content_free_tokens(result) -> int:
-    """What a result's content-free passes evaluated beyond its own prompt (debias content_free, the server's
-    default: 0 when every prior was held, or for another debiasing)."""
+    """What a result's content-free passes evaluated beyond its own prompt (debias content_free: 0 when every
+    prior was held, or for another debiasing)."""
     return sum((getattr(d, "content_free", None) or {}).get("evaluated_tokens", 0) for d in result.distributions)

@@ -149,15 +149,17 @@ def test_two_hot_states_alternating_with_room_for_one_snapshot_all_answer_200_eq
     from semif.serving.http.app import create_app
 
     order = [0, 1] * 4
-    # Every request asks a question of its own: their content-free priors (the default debiasing) are held
-    # first, as a recurring decision's are, so that each request evaluates its state and question only.
+    # Both servers calibrate content-free (SEMIF_DEBIAS=content_free), the readout whose priors outlive a
+    # request. Every request asks a question of its own: their priors are held first, as a recurring
+    # decision's are, so that each request evaluates its state and question only.
     for i in range(len(order)):
         hot.score("A warm-up ticket.", [Question(_body(0, i)["decision"]["question"], TEAMS)], debias="content_free")
     _reset(hot, snapshot_bytes=_room(snapshot_sizes, 1))
     restores, failures = hot.prefix_restores, hot.prefix_snapshot_failures
-    settings_ = make_settings(model_path, prefix_cache_mb=hot.prefix_cache_bytes / (1 << 20))
+    settings_ = make_settings(model_path, prefix_cache_mb=hot.prefix_cache_bytes / (1 << 20), debias="content_free")
     with TestClient(create_app(settings_, hot), raise_server_exceptions=False) as warm_client, \
-            TestClient(create_app(make_settings(model_path), cold), raise_server_exceptions=False) as cold_client:
+            TestClient(create_app(make_settings(model_path, debias="content_free"), cold),
+                       raise_server_exceptions=False) as cold_client:
         responses = []
         for i, state in enumerate(order):
             responses.append(warm_client.post("/invocations", json=_body(state, i)))

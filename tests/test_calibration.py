@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from semif.serving.config import DEFAULT_DEBIAS
 from semif.serving.postprocess.calibration import (
     Calibration,
     CalibrationError,
@@ -243,7 +244,7 @@ def calibration_payload(model_sha256: str, *, temperature: float = 2.0, per_deci
                       template_sha256=template_sha256, fits=[(kind, entry)], fit={}, policy=policy)
 
 
-SERVED = FitKind("label", "state_first", "content_free")  # what the server answers at its defaults
+SERVED = FitKind("label", "state_first", DEFAULT_DEBIAS)  # what the server answers at its defaults
 
 
 def served_payload(engine, **options) -> dict:
@@ -332,7 +333,7 @@ def test_the_adapter_applies_the_temperature_keeps_raw_logits_and_reports_the_ca
         overridden = http.post("/invocations", json={**SINGLE, "policy": {"min_probability": 0.0}}).json()
     assert body["probabilities"] == pytest.approx(softmax(body["option_logits"], 0.5).tolist(), abs=1e-12)
     assert body["calibration"] == {"version": cal.version, "method": "temperature", "temperature": 0.5, "temperature_source": "decision",
-                                   "fit": {"scoring": "label", "layout": "state_first", "debias": "content_free"}}
+                                   "fit": {"scoring": "label", "layout": "state_first", "debias": DEFAULT_DEBIAS}}
     assert other["probabilities"] == pytest.approx(softmax(other["option_logits"], 3.0).tolist(), abs=1e-12)
     assert body["probabilities"] != pytest.approx(softmax(body["option_logits"]).tolist(), abs=1e-6)  # logits stay raw
     top = max(body["probabilities"])

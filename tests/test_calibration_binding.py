@@ -10,15 +10,20 @@ import json
 
 import pytest
 
+from semif.serving.config import DEFAULT_DEBIAS
+from semif.serving.engine.plan import served_debias
 from semif.serving.postprocess.calibration import Calibration, CalibrationError, FitKind, build_file, softmax
 from serving import SAMPLE_DECISIONS, make_settings
 
 DECISION = {"id": "route", "state": "My laptop screen cracked when it fell off the desk.", "question": "Which team?",
             "options": [{"id": "hardware"}, {"id": "network"}, {"id": "hr"}]}
 TEAMS = [{"value": "hardware"}, {"value": "network"}, {"value": "hr"}]
-# The kinds the server answers at its defaults (content_free debiasing), in each layout.
-STATE_FIRST = FitKind("label", "state_first", "content_free")
-OPTIONS_FIRST = FitKind("label", "options_first", "content_free")
+# The kinds the server answers at its defaults (SEMIF_DEBIAS's default debiasing), in each layout, and a
+# debiasing a request can ask for instead.
+STATE_FIRST = FitKind("label", "state_first", served_debias(DEFAULT_DEBIAS, scoring="label", layout="state_first", native=False))
+OPTIONS_FIRST = FitKind("label", "options_first", served_debias(DEFAULT_DEBIAS, scoring="label", layout="options_first",
+                                                                native=False))
+OTHER_DEBIAS = "content_free" if STATE_FIRST.debias != "content_free" else "reverse"
 
 
 def fitted_file(info: dict, fits: dict[FitKind, float], *, policy=None, **bound) -> dict:
@@ -88,7 +93,7 @@ def test_serve_refuses_a_file_fitted_with_another_prompt_template_at_startup(sta
 @pytest.mark.parametrize("mutate, message", [
     (lambda p: p["fits"][0].update(layout="sideways"), "fits[0].layout is 'sideways'"),
     (lambda p: p["fits"][0].pop("debias"), "fits[0].debias is None"),
-    (lambda p: p["fits"].append(dict(p["fits"][0])), "a second fit for label/state_first/content_free"),
+    (lambda p: p["fits"].append(dict(p["fits"][0])), f"a second fit for {STATE_FIRST}"),
     (lambda p: p.pop("template_sha256"), "template_sha256 is missing"),
     (lambda p: p["fits"][0].update(contextual={"route": {"options_sha256": "x", "log_prior": [float("nan")]}}),
      "finite log_prior"),
@@ -107,20 +112,20 @@ def test_a_fit_is_applied_only_to_the_layout_scoring_and_debiasing_it_was_measur
     http, calibration = client_with(shipped_engine, fitted_file(shipped_engine.info, {STATE_FIRST: 3.0}), tmp_path)
     with http:
         answers = {name: http.post("/invocations", json={"decision": DECISION, **extra}).json() for name, extra in {
-            "state_first": {}, "options_first": {"layout": "options_first"}, "reverse": {"debias": "reverse"},
+            "state_first": {}, "options_first": {"layout": "options_first"}, "other": {"debias": OTHER_DEBIAS},
             "none": {"debias": "none"}, "sequence": {"scoring": "sequence"}}.items()}
     fitted = answers.pop("state_first")
     assert fitted["probabilities"] == pytest.approx(softmax(fitted["option_logits"], 3.0).tolist(), abs=1e-12)
-    assert fitted["calibration"]["fit"] == {"scoring": "label", "layout": "state_first", "debias": "content_free"}
+    assert fitted["calibration"]["fit"] == {"scoring": "label", "layout": "state_first", "debias": STATE_FIRST.debias}
     assert fitted["calibration"]["version"] == calibration.version and fitted["calibration"]["temperature"] == 3.0
-    for name, kind in {"options_first": "label/options_first/content_free", "reverse": "label/state_first/reverse",
+    for name, kind in {"options_first": str(OPTIONS_FIRST), "other": f"label/state_first/{OTHER_DEBIAS}",
                        "none": "label/state_first/none", "sequence": "sequence/state_first/none"}.items():
         body = answers[name]
         assert body["probabilities"] == pytest.approx(softmax(body["option_logits"]).tolist(), abs=1e-12), name
         assert body["probabilities"] != pytest.approx(softmax(body["option_logits"], 3.0).tolist(), abs=1e-6), name
         record = body["calibration"]
         assert record["method"] == "none" and record["version"] == calibration.version and record["fit"] is None
-        assert f"no fit for {kind}" in record["reason"] and "label/state_first/content_free" in record["reason"], name
+        assert f"no fit for {kind}" in record["reason"] and str(STATE_FIRST) in record["reason"], name
 
 
 def test_each_layout_gets_the_temperature_fitted_on_it(shipped_engine, tmp_path):
@@ -143,7 +148,7 @@ def test_the_files_policy_never_accepts_an_answer_it_has_no_fit_for_and_a_reques
         own = http.post("/invocations", json={"decision": DECISION, "layout": "options_first", "policy": {"min_probability": 0.0}}).json()
     assert fitted["action"] == "accept"
     assert unfitted["action"] == "abstain" and unfitted["fallback"] == "escalate"
-    assert "uncalibrated" in unfitted["action_reason"] and "label/options_first/content_free" in unfitted["action_reason"]
+    assert "uncalibrated" in unfitted["action_reason"] and str(OPTIONS_FIRST) in unfitted["action_reason"]
     assert own["action"] == "accept" and own["calibration"]["method"] == "none"
 
 
@@ -177,8 +182,8 @@ def test_semif_calibrate_fits_each_layout_against_a_server_and_that_server_accep
     assert calibrate_main([str(SAMPLE_DECISIONS), "--url", server.base_url, "--limit", "3", "--folds", "2", "--contextual", "off",
                            "--layout", "state_first,options_first", "--out", str(path)]) == 0
     calibration = Calibration.load(path, served=shipped_engine.info)  # the served template, without "+options-first"
-    assert [str(kind) for kind in calibration.fits] == ["label/state_first/content_free", "label/options_first/content_free"]
-    assert set(calibration.raw["fit"]["cross_validation"]) == {"label/state_first/content_free", "label/options_first/content_free"}
+    assert [str(kind) for kind in calibration.fits] == [str(STATE_FIRST), str(OPTIONS_FIRST)]
+    assert set(calibration.raw["fit"]["cross_validation"]) == {str(STATE_FIRST), str(OPTIONS_FIRST)}
     server.stop()
 
     calibrated = start_serve(SEMIF_CALIBRATION_PATH=str(path))
@@ -187,4 +192,4 @@ def test_semif_calibrate_fits_each_layout_against_a_server_and_that_server_accep
     assert body["calibration"]["fit"]["layout"] == "options_first" and body["calibration"]["temperature"] == temperature
     assert body["probabilities"] == pytest.approx(softmax(body["option_logits"], temperature).tolist(), abs=1e-12)
     loaded = next(line for line in calibrated.log_lines() if line.get("message") == "calibration loaded")
-    assert loaded["fits"] == ["label/state_first/content_free", "label/options_first/content_free"]
+    assert loaded["fits"] == [str(STATE_FIRST), str(OPTIONS_FIRST)]

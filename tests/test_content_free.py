@@ -4,7 +4,11 @@ defaults (flash attention, the label memo, prefix snapshots).
 Each answer is the raw label distribution divided by the model's distribution for the content-free state
 "N/A" with the same question and options, renormalised. That prior depends on the question only, so the
 engine keeps it; every kept or evicted prior is compared here with a cold computation of the same answer
-(the context, the snapshots, the memo and the priors emptied first)."""
+(the context, the snapshots, the memo and the priors emptied first).
+
+The servers here calibrate content-free by default (SEMIF_DEBIAS=content_free, the `client` and
+`tight_client` fixtures of this module): what an operator who sets it gets, requests without `debias`
+included."""
 
 from __future__ import annotations
 
@@ -29,6 +33,18 @@ TONE = Question("What is the tone?", (Outcome("calm"), Outcome("annoyed"), Outco
 STATES = ["I cannot log in: the reset email never arrives and my account is locked.",
           "I was charged twice for order 5521; please refund the duplicate.",
           "The parcel says delivered but nothing came."]
+
+
+@pytest.fixture(scope="module")
+def client(engine, model_path):
+    """The server at its defaults but for SEMIF_DEBIAS=content_free."""
+    from starlette.testclient import TestClient
+
+    from semif.serving.http.app import create_app
+
+    with TestClient(create_app(make_settings(model_path, debias="content_free"), engine),
+                    raise_server_exceptions=False) as calibrating:
+        yield calibrating
 
 
 def _log_softmax(logits):
@@ -455,12 +471,12 @@ def test_a_decision_among_399_copies_answers_as_it_does_alone_at_the_default_bud
 
 @pytest.fixture
 def tight_client(engine, model_path):
-    """The server at its defaults but for SEMIF_MAX_REQUEST_TOKENS=1500."""
+    """The server at its defaults but for SEMIF_DEBIAS=content_free and SEMIF_MAX_REQUEST_TOKENS=1500."""
     from starlette.testclient import TestClient
 
     from semif.serving.http.app import create_app
 
-    with TestClient(create_app(make_settings(model_path, max_request_tokens=1500), engine),
+    with TestClient(create_app(make_settings(model_path, max_request_tokens=1500, debias="content_free"), engine),
                     raise_server_exceptions=False) as tight:
         yield tight
 

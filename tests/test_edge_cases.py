@@ -128,12 +128,12 @@ def test_when_every_label_is_ruled_out_the_answer_is_uniform_with_zero_label_mas
     with _app_client(ruled_out_engine) as http:
         response = http.post("/v1/systemone", json=NOUL)
         semif = http.post("/invocations", json={"decision": {**THREE["decision"], "options": [{"id": "x"}, {"id": "y"}]},
-                                                "policy": {"min_label_mass": 0.01}})
+                                                "policy": {"min_label_mass": 0.01}, "debias": "none"})
         assert http.get("/ping").status_code == 200
     assert response.status_code == 200, response.text
     answer = response.json()["answers"]["refund"]
     assert answer["noul"] == 0.5 and response.json()["x_semif"]["label_mass"]["refund"] == 0.0
-    # A two-option decision on this model: A is scored, B is ruled out: B gets 0, A everything.
+    # A two-option decision on this model, read once: A is scored, B is ruled out: B gets 0, A everything.
     assert semif.status_code == 200 and semif.json()["probabilities"] == [1.0, 0.0]
 
 

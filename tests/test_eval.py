@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from serving import SAMPLE_DECISIONS, load_sample_decisions, start_cold
+from semif.serving.config import DEFAULT_DEBIAS
 from semif.serving.postprocess.calibration import Calibration, FitKind, accuracy_coverage, softmax
 from semif.tools.client import SemIfClient
 from semif.tools.evaluate import (
@@ -248,8 +249,8 @@ def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_p
     assert calibrate_main([str(SAMPLE_DECISIONS), "--model", str(model_path), "--limit", "2", "--folds", "2",
                            "--min-per-decision", "2", "--contextual", "on", "--out", str(cal_path), "--n-threads", "2"]) == 0
     calibration = Calibration.load(cal_path, served=engine.info)
-    assert [str(kind) for kind in calibration.fits] == ["label/state_first/content_free"]  # the server's default
-    fitted = calibration.fits[FitKind("label", "state_first", "content_free")]
+    assert [str(kind) for kind in calibration.fits] == [f"label/state_first/{DEFAULT_DEBIAS}"]  # the server's default
+    fitted = calibration.fits[FitKind("label", "state_first", DEFAULT_DEBIAS)]
     assert fitted["global"]["n"] == 2 and set(fitted["per_decision"]) == {"route"}
     # contextual calibration measured on the real model's content-free answers, stored for its option set
     rows = load_sample_decisions()
@@ -259,7 +260,7 @@ def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_p
     prior = np.exp(fitted["contextual"]["route"]["log_prior"])
     assert len(prior) == 4 and prior.sum() == pytest.approx(1.0)
     assert set(fitted["contextual_temperatures"]) == {"global", "per_decision"}
-    assert calibration.raw["fit"]["cross_validation"]["label/state_first/content_free"]["k"] == 2
+    assert calibration.raw["fit"]["cross_validation"][f"label/state_first/{DEFAULT_DEBIAS}"]["k"] == 2
 
 
 def test_labeled_rows_whose_strings_hold_line_separators_parse_as_one_row_each():

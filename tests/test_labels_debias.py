@@ -389,7 +389,7 @@ def _probabilities(path, payload):
 @pytest.mark.parametrize("path,body", [("/v1/semif", SEMIF_BODY), ("/v1/systemone", SYSTEMONE_BODY),
                                        ("/v1/decisions", OPENAI_BODY)], ids=["semif", "systemone", "openai"])
 def test_every_contract_accepts_debias_and_rejects_a_bad_value_naming_the_field(client, engine, path, body):
-    plain = client.post(path, json=body)
+    plain = client.post(path, json={**body, "debias": "none"})
     debiased = client.post(path, json={**body, "debias": "reverse"})
     assert plain.status_code == debiased.status_code == 200, debiased.text
     expected = engine.score(STATE, [ROUTE], debias="reverse").distributions[0].probabilities
@@ -398,6 +398,46 @@ def test_every_contract_accepts_debias_and_rejects_a_bad_value_naming_the_field(
     bad = client.post(path, json={**body, "debias": "sideways"})
     assert 400 <= bad.status_code < 500
     assert "debias" in bad.text
+
+
+def _reversed_listing(path, body):
+    if path == "/v1/semif":
+        return {"decision": {**body["decision"], "options": body["decision"]["options"][::-1]}}
+    if path == "/v1/systemone":
+        route = body["questions"]["route"]
+        return {**body, "questions": {"route": {**route, "criteria": dict(list(route["criteria"].items())[::-1])}}}
+    (route,) = body["questions"]
+    return {**body, "questions": [{**route, "choices": route["choices"][::-1]}]}
+
+
+def _by_option(path, payload, body) -> dict:
+    probabilities = _probabilities(path, payload)
+    if path == "/v1/semif":
+        keys = [o["id"] for o in body["decision"]["options"]]
+    elif path == "/v1/systemone":
+        keys = list(body["questions"]["route"]["criteria"])
+    else:
+        keys = [c["value"] for c in body["questions"][0]["choices"]]
+    return dict(zip(keys, probabilities))
+
+
+@pytest.mark.parametrize("path,body", [("/v1/semif", SEMIF_BODY), ("/v1/systemone", SYSTEMONE_BODY),
+                                       ("/v1/decisions", OPENAI_BODY)], ids=["semif", "systemone", "openai"])
+def test_a_request_that_does_not_send_debias_is_read_in_both_orders_so_either_listing_gets_one_answer(
+        client, engine, memo_off, path, body):
+    """The server default (SEMIF_DEBIAS unset) is reverse: the engine's reverse answer, the same for the
+    options listed backwards, and not the single read's."""
+    listed = client.post(path, json=body)
+    backwards = client.post(path, json=_reversed_listing(path, body))
+    assert listed.status_code == backwards.status_code == 200, backwards.text
+    expected = dict(zip([o.key for o in ROUTE.outcomes],
+                        engine.score(STATE, [ROUTE], debias="reverse").distributions[0].probabilities))
+    single = dict(zip([o.key for o in ROUTE.outcomes],
+                      engine.score(STATE, [ROUTE], debias="none").distributions[0].probabilities))
+    for payload, sent in ((listed, body), (backwards, _reversed_listing(path, body))):
+        got = _by_option(path, payload.json(), sent)
+        np.testing.assert_allclose([got[k] for k in expected], list(expected.values()), atol=1e-5)
+    assert not np.allclose([single[k] for k in expected], list(expected.values()), atol=1e-4)
 
 
 def test_semif_reports_label_mass_and_both_orders_when_the_prompt_is_asked_for(client):
@@ -436,8 +476,8 @@ def test_semif_debias_setting_is_validated():
     from semif.serving.config import Settings, SettingsError
 
     env = {"SEMIF_MODEL_PATH": str(embedded_model())}
-    assert Settings.from_env(env).debias == "content_free"
-    assert Settings.from_env({**env, "SEMIF_DEBIAS": "reverse"}).debias == "reverse"
+    assert Settings.from_env(env).debias == "reverse"
+    assert Settings.from_env({**env, "SEMIF_DEBIAS": "content_free"}).debias == "content_free"
     assert Settings.from_env({**env, "SEMIF_DEBIAS": "none"}).debias == "none"
     assert Settings.from_env({**env, "SEMIF_CONTENT_FREE_ENTRIES": "16"}).content_free_entries == 16
     with pytest.raises(SettingsError, match="SEMIF_CONTENT_FREE_ENTRIES"):
@@ -454,3 +494,17 @@ def test_the_policy_checks_label_mass_only_where_there_is_one():
     assert decide([0.9, 0.1], policy, label_mass=0.5).action == "accept"  # inclusive, like the other thresholds
     assert decide([0.9, 0.1], policy, label_mass=None).action == "accept"  # sequence scoring has no label mass
     assert policy.as_dict()["min_label_mass"] == 0.5
+
+
+@pytest.mark.parametrize("default", ["reverse", "rotations", "content_free", "none"])
+def test_the_server_default_applies_to_label_scoring_and_order_reads_to_the_state_first_layout_only(engine, default):
+    """served_debias: a request without `debias` gets the default where it was measured (label scoring,
+    state first); cloze scoring reads "none", and so does the options-first layout under a default that reads
+    several orders (each would evaluate the state again)."""
+    plan = engine.plan(STATE, [ROUTE], default_debias=default)
+    assert plan.debias == default
+    assert engine.plan(STATE, [ROUTE], scoring="sequence", default_debias=default).debias == "none"
+    options_first = engine.plan(STATE, [ROUTE], layout="options_first", default_debias=default).debias
+    assert options_first == ("none" if default in ("reverse", "rotations") else default)
+    # A request that names a mode gets it whatever the layout.
+    assert engine.plan(STATE, [ROUTE], layout="options_first", debias="reverse", default_debias=default).debias == "reverse"

@@ -46,7 +46,8 @@ def test_predicate_is_the_engines_probability_of_yes(client, engine):
     job = openai_decisions.parse({"model": "m", "input": INPUT, "questions": [PREDICATE]}, Limits(255, 400))
     start_cold(engine)  # a cold run: the reference the cached runs must equal
     cold = engine.score(job.state_text, job.questions, debias=Settings.debias)  # as the server answers it
-    assert cold.cached_tokens == 0 and content_free_tokens(cold) > 0
+    assert cold.cached_tokens == 0 and cold.distributions[0].debias == Settings.debias
+    # Every input token (both orders under the default), and the content-free prompt where the default reads one.
     assert cold.evaluated_tokens == cold.input_tokens + content_free_tokens(cold)
     expected = cold.distributions[0].probabilities[0]
     assert math.isclose(answer["probability"], expected, abs_tol=1e-4)
@@ -194,11 +195,16 @@ def test_a_marked_abstain_option_gives_semifs_answer_for_the_same_decision(clien
 
 
 def test_a_marked_abstain_option_alone_asks_for_the_x_semif_record(client):
-    """A mark is an extension: the answer says which option was kept, even with the server's default debiasing."""
+    """A mark is an extension: it asks for the x_semif record at any debiasing, and under content-free
+    calibration the record says which option kept its content-free share."""
     marked = decide(client, [{**ROUTE_OR_ASK, "x_abstain_option": "needs_more_info"}], input=VAGUE)
     assert marked.status_code == 200, marked.text
-    record = marked.json()["x_semif"]
-    assert record["debias"] == Settings.debias == "content_free"  # the test server's default
+    assert marked.json()["x_semif"]["debias"] == Settings.debias  # the test server's default
+    calibrated = decide(client, [{**ROUTE_OR_ASK, "x_abstain_option": "needs_more_info"}], input=VAGUE,
+                        debias="content_free")
+    assert calibrated.status_code == 200, calibrated.text
+    record = calibrated.json()["x_semif"]
+    assert record["debias"] == "content_free"
     assert record["content_free"][0]["abstain_kept"] == "needs_more_info"
     assert "x_semif" not in decide(client, [ROUTE_OR_ASK], input=VAGUE).json()  # a plain request: OpenAI's shape
 

@@ -294,7 +294,8 @@ def test_a_request_past_its_deadline_gets_a_json_504_and_the_next_is_served_prom
     # below shares the sample's state, so its prefix is cached: each question costs about this much)
     per_question_s = max(r["timing"]["compute_ms"] for r in sample["results"]) / 1000
     started = time.monotonic()
-    late = httpx.post(url, json={"state": LONG_TICKET, "decisions": MANY_QUESTIONS}, timeout=120)
+    late = httpx.post(url, json={"state": LONG_TICKET, "decisions": MANY_QUESTIONS, "debias": "content_free"},
+                      timeout=120)
     late_s = time.monotonic() - started
     assert late.status_code == 504, late.text[:300]
     error = late.json()["error"]
@@ -305,12 +306,12 @@ def test_a_request_past_its_deadline_gets_a_json_504_and_the_next_is_served_prom
     probe = httpx.post(url, json=_decision(0), timeout=60)
     assert probe.status_code == 200 and probe.json()["timing"]["queue_ms"] < 1000 * per_question_s + 500
     line = [l for l in _request_lines(server) if l.get("status") == 504][0]
-    # Under the default debiasing its 397 new questions first need their content-free priors: the deadline
-    # passes in that pass, before any question of its own was answered.
+    # Under content-free calibration its 397 new questions first need their content-free priors: the
+    # deadline passes in that pass, before any question of its own was answered.
     assert line["questions_done"] == 0
-    # Without the priors to evaluate, it stops between its own questions.
+    # Without priors to evaluate (the server's default debiasing), it stops between its own questions.
     started = time.monotonic()
-    plain = httpx.post(url, json={"state": LONG_TICKET, "decisions": MANY_QUESTIONS, "debias": "none"}, timeout=120)
+    plain = httpx.post(url, json={"state": LONG_TICKET, "decisions": MANY_QUESTIONS}, timeout=120)
     assert plain.status_code == 504 and time.monotonic() - started < deadline_s + 3 * per_question_s + 2
     line = [l for l in _request_lines(server) if l.get("status") == 504][-1]
     assert 0 < line["questions_done"] < 400

@@ -270,3 +270,15 @@ def test_the_combined_answer_is_the_same_to_the_last_bit_whatever_the_listing(en
     backward = engine.score(STATE, [backward_q], debias="rotations", reads=reads).distributions[0]
     assert by_id(question, forward.probabilities) == by_id(backward_q, backward.probabilities)
     assert by_id(question, forward.option_logits) == by_id(backward_q, backward.option_logits)
+
+
+@pytest.mark.parametrize("debias,reads", [("rotations", 4), ("reverse", None)])
+def test_an_answers_cached_and_evaluated_tokens_add_up_to_its_tokens_cold_and_from_the_memo(engine, memo_on,
+                                                                                           debias, reads):
+    """Reads in several orders share the state prefix: it is counted once in the answer's tokens, so it is
+    counted once in what was cached or evaluated, cold and when the label memo answers every read."""
+    engine.invalidate()
+    cold = engine.score(STATE, [ROUTE], debias=debias, reads=reads).distributions[0]
+    again = engine.score(STATE, [ROUTE], debias=debias, reads=reads).distributions[0]
+    assert cold.cached_tokens + cold.evaluated_tokens == cold.tokens
+    assert again.evaluated_tokens == 0 and again.cached_tokens == again.tokens

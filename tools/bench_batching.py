@@ -110,7 +110,9 @@ def throughput(args) -> list[dict]:
     servers = {}
     try:
         for mode in ("serial", "batched"):
-            env = dict(SEMIF_LABEL_MEMO=0, SEMIF_MAX_QUEUE=max(args.clients) + 4, SEMIF_N_CTX=args.n_ctx,
+            # Content-free calibration on both servers: the server default (reverse) reads two orders, which the
+            # batched path leaves to the serial one, so it would measure no batching at all.
+            env = dict(SEMIF_DEBIAS="content_free", SEMIF_LABEL_MEMO=0, SEMIF_MAX_QUEUE=max(args.clients) + 4, SEMIF_N_CTX=args.n_ctx,
                        SEMIF_N_THREADS=args.threads, SEMIF_QUEUE_TIMEOUT_S=600, SEMIF_REQUEST_DEADLINE_S=600)
             if mode == "batched":
                 env.update(SEMIF_BATCHING=1, SEMIF_N_SEQ=args.n_seq)
@@ -291,7 +293,7 @@ def drift_http(args) -> dict:
     report["workload"]["questions"] = sum(len(w["body"].get("decisions", [None])) for w in workload)
     write_json(out, report)
     model = Path(args.model) if args.model else None
-    common = dict(SEMIF_MAX_QUEUE=args.drift_clients + 4, SEMIF_QUEUE_TIMEOUT_S=600, SEMIF_REQUEST_DEADLINE_S=600,
+    common = dict(SEMIF_DEBIAS="content_free", SEMIF_MAX_QUEUE=args.drift_clients + 4, SEMIF_QUEUE_TIMEOUT_S=600, SEMIF_REQUEST_DEADLINE_S=600,
                   SEMIF_N_THREADS=args.threads, SEMIF_LOG_LEVEL="INFO")
     logs = Path(tempfile.mkdtemp(prefix="bench-batching-"))
 

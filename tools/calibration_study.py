@@ -9,7 +9,7 @@ debias "content_free"; the answer carries the raw label logits and the content-f
 variant below is computed from the same model call:
 
 - `none`: the raw answer.
-- `content_free`: the raw logits less the content-free log-prior (the server default).
+- `content_free`: the raw logits less the content-free log-prior (debias "content_free").
 - `content_free_keep_abstain`: as `content_free` among the regular options, while the row's abstain
   option (`abstain_option`) keeps its content-free probability: the content-free state is itself a
   reason to abstain, so its share is not divided out.

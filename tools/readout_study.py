@@ -21,7 +21,7 @@ next-token logits row at the answer position:
   token, at most 8 tokens deep.
 
 Each readout is scored raw (`none`) and with the content-free prior read the same way from the content-free
-prompt (`content_free`, the server default: `engine.context.content_free_shift`). Accuracy is reported per
+prompt (`content_free`: `engine.context.content_free_shift`). Accuracy is reported per
 readout, per group (tools/calibration_study.py's `group`: abstain answers, other rows of abstain decisions,
 decisions seen once, recurring ones; rows taken stratified by its `stratified`) and per category, with the
 paired wins and losses of each readout against `current` and a two-sided exact sign test.

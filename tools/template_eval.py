@@ -13,7 +13,7 @@ the styles on the same decisions.
 usage: python tools/template_eval.py MODEL.gguf [--data FILE] [--limit N] [--styles a,b,...] [--json OUT]
        python tools/template_eval.py --summarise REPORT.json     # a stored report's figures again, from its records
 
-The "content-free" columns are what `debias: content_free` (the server default) answers: each order's
+The "content-free" columns are what `debias: content_free` answers: each order's
 probabilities divided by that order's content-free ones, the same prompt and the same arithmetic.
 """
 from __future__ import annotations

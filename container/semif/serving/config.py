@@ -96,9 +96,11 @@ class Settings:
     # Run the injection check on every request that does not say; a policy with
     # max_injection turns it on for its requests regardless.
     injection_check: bool = False
-    # Debiasing by default (a request's `debias` overrides it): content_free divides out each option's
-    # content-free prior (label scoring; cloze requests and native decision models keep "none"). See
-    # docs/explanation/scoring.md, "Content-free calibration", and docs/benchmarks.md, "Template changes".
+    # Debiasing by default (a request's `debias` overrides it): reverse reads each question as listed and
+    # with its options reversed and averages the two reads' log-probabilities, so the answer is the same
+    # whichever of the two orders the caller lists (label scoring; cloze requests and native decision models
+    # keep "none"). Chosen on the dev split by accuracy in both listings: docs/benchmarks.md, "Choosing the
+    # default readout"; docs/explanation/scoring.md, "Option order debiasing".
     debias: str = DEFAULT_DEBIAS
     # debias content_free: content-free priors kept, one per question and option set (a few floats each).
     content_free_entries: int = 1024

@@ -82,9 +82,12 @@ def build_app(settings: Settings):
     app = create_app(settings, engine)
     if calibration is not None:
         app.state.service.decision_postprocessor.configure(calibration)
+        from .engine.plan import served_debias
         from .postprocess.calibration import FitKind
 
-        defaults = FitKind(engine.default_scoring, settings.layout, settings.debias)
+        defaults = FitKind(engine.default_scoring, settings.layout,
+                           served_debias(settings.debias, scoring=engine.default_scoring, layout=settings.layout,
+                                         native=engine.native is not None))
         log.info("calibration loaded", extra={"calibration_version": calibration.version, "path": str(settings.calibration_path),
                                               "fits": [str(kind) for kind in calibration.fits], "policy": calibration.policy})
         if calibration.fit_for(defaults) is None:

@@ -195,7 +195,7 @@ SETTINGS: tuple[Setting, ...] = (
     _op("SEMIF_MAX_JSONL_RECORDS", "int", 10000, minimum=1),
     _op("SEMIF_LAYOUT", "choice", "state_first", choices=("state_first", "options_first")),
     _op("SEMIF_INJECTION_CHECK", "bool", False),
-    _op("SEMIF_DEBIAS", "choice", "content_free", choices=("none", "reverse", "content_free", "rotations")),
+    _op("SEMIF_DEBIAS", "choice", "reverse", choices=("none", "reverse", "content_free", "rotations")),
     _op("SEMIF_CONTENT_FREE_ENTRIES", "int", 1024, minimum=1),
     _op("SEMIF_BATCHING", "bool", False),
     _op("SEMIF_N_SEQ", "int", 4, minimum=2, maximum=256, maximum_reason="llama.cpp's most parallel sequences"),

@@ -39,7 +39,8 @@ from .evaluate import (
     parse_scorings,
     prior_key,
 )
-from ..serving.engine.plan import DEBIAS_MODES
+from ..serving.config import DEFAULT_DEBIAS
+from ..serving.engine.plan import DEBIAS_MODES, served_debias
 from ..serving.postprocess.policy import Policy
 from ..serving.engine.prompt import LAYOUTS, OPTIONS_FIRST_SUFFIX, options_sha256
 
@@ -131,8 +132,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--layout", default="state_first",
                         help="prompt layout(s) to fit, comma-separated: state_first, options_first (default: state_first)")
     parser.add_argument("--debias", default=None,
-                        help="debiasing mode(s) to fit, comma-separated: none, reverse, content_free (default: the "
-                             "server's, content_free for label scoring and none for sequence scoring)")
+                        help="debiasing mode(s) to fit, comma-separated: none, reverse, content_free, rotations "
+                             f"(default: the server's, {DEFAULT_DEBIAS} for label scoring in the state-first layout, else none)")
     args = parser.parse_args(argv)
     if args.no_contextual:
         args.contextual = "off"
@@ -150,19 +151,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             console.print(f"semif-calibrate: --policy: {exc}")
             return 2
     rows = load_rows(args.data, args.limit)
-    def debiasings(scoring: str) -> list[str]:
+    def debiasings(scoring: str, layout: str) -> list[str]:
         if args.debias is None:  # what the server answers a request that does not say (SEMIF_DEBIAS's default)
-            return ["content_free" if scoring == "label" else "none"]
+            return [served_debias(DEFAULT_DEBIAS, scoring=scoring, layout=layout, native=False)]
         return parse_choices(args.debias, DEBIAS_MODES, "--debias")
 
     kinds = [FitKind(scoring, layout, debias) for scoring in parse_scorings(args.scoring)
              for layout in parse_choices(args.layout, LAYOUTS, "--layout")
-             for debias in debiasings(scoring)]
-    # content_free reads label probabilities: it has no cloze (sequence) kind to fit.
-    skipped = [kind for kind in kinds if kind.scoring == "sequence" and kind.debias == "content_free"]
+             for debias in debiasings(scoring, layout)]
+    # content_free and rotations read label probabilities: they have no cloze (sequence) kind to fit.
+    skipped = [kind for kind in kinds if kind.scoring == "sequence" and kind.debias in ("content_free", "rotations")]
     kinds = [kind for kind in kinds if kind not in skipped]
     for kind in skipped:
-        console.print(f"semif-calibrate: skipping {kind}: debias content_free needs label scoring")
+        console.print(f"semif-calibrate: skipping {kind}: debias {kind.debias} needs label scoring")
     target = make_target(args)
     try:
         fitted: dict[FitKind, dict] = {}

@@ -89,7 +89,7 @@ class SystemOneRequest(_Lenient):
     # Our extensions: prompt layout and the injection check, None = server default.
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
-    # Our extension: debiasing ("none" | "reverse" | "content_free"); absent: the server default (SEMIF_DEBIAS).
+    # Our extension: debiasing ("none" | "reverse" | "content_free" | "rotations"); absent: the server default (SEMIF_DEBIAS).
     debias: Optional[Literal["none", "reverse", "content_free", "rotations"]] = None
     # Our extension: the opt-in second look for ambiguous answers (contracts/base.py, SecondLookSpec).
     second_look: Optional[SecondLookSpec] = None

@@ -30,7 +30,7 @@ from .native import NativeDecision, ScoringUnsupported, build_native_plan, read_
 from .passes import Answers, injection, orders, prior, rotations
 from .passes import second_look as second_look_pass
 from .plan import (DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, SecondLook,
-                   TokenBudgetExceeded, build_plan)
+                   TokenBudgetExceeded, build_plan, served_debias)
 from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
 from .readout import label_logits, token_logprobs, tokens_digest
 from .results import Cancelled, Distribution, ScoreResult, softmax
@@ -342,8 +342,8 @@ class Engine:
 
         A request over the token budget (``max_request_tokens``) is refused naming what pushed it over: the
         questions (``budget_field``), then, in this order, each addition that does not fit on top of them: the
-        injection checks (``injection_check_field``), debias 'content_free' (``debias``, or ``budget_field``
-        under the server default), the second look (``second_look_field``)."""
+        injection checks (``injection_check_field``), the debiasing's reads and content-free prompts (``debias``,
+        or ``budget_field`` under the server default), the second look (``second_look_field``)."""
         if second_look is not None:
             # Everything but the second look is planned, and refused, as without it.
             planned = self.plan(state_text, questions, scoring=scoring, return_prompt=return_prompt,
@@ -359,12 +359,11 @@ class Engine:
             raise EngineError(f"unknown scoring method {scoring!r}", field="scoring")
         by_default = debias is None
         if by_default:
-            # The server's default (``default_debias``, else SEMIF_DEBIAS as serve set it) applies where it can:
-            # content_free reads label probabilities, so cloze scoring and native decision models keep "none"
-            # unless the request asks for it (then they are refused, naming the field).
-            debias = default_debias or getattr(self, "default_debias", "none")
-            if debias in ("content_free", "rotations") and (scoring != "label" or self.native is not None):
-                debias = "none"
+            # The server's default (``default_debias``, else SEMIF_DEBIAS as serve set it) where it applies
+            # (served_debias); a request that asks for a mode a scoring or model cannot take is refused, naming
+            # the field.
+            debias = served_debias(default_debias or getattr(self, "default_debias", "none"), scoring=scoring,
+                                   layout=layout, native=self.native is not None)
         if debias not in DEBIAS_MODES:
             raise PlanError(f"unknown debias mode {debias!r}; use one of {', '.join(DEBIAS_MODES)}", field="debias")
         if reads is not None and debias != "rotations":

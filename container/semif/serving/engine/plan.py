@@ -96,6 +96,19 @@ class Piece:
 # cyclic rotations of that order (rotation_schedule), their log-probabilities averaged (passes/orders.py).
 # Ordered scales and yes/no questions keep their order: their reads are the given order and its reverse.
 DEBIAS_MODES = ("none", "reverse", "content_free", "rotations")
+
+
+def served_debias(default: str, *, scoring: str, layout: str, native: bool) -> str:
+    """The debiasing a request that does not send ``debias`` gets under the server default ``default``
+    (SEMIF_DEBIAS): the default applies where it was measured, label scoring through the adapter's template.
+    Cloze (sequence) scoring and native decision models read "none"; so do reads in several orders
+    ("reverse", "rotations") in the options-first layout, where each further order would evaluate the state
+    again after its own options. A request that asks for a mode gets it, or a 422 naming ``debias``."""
+    if scoring != "label" or native:
+        return "none"
+    if default in ("reverse", "rotations") and layout == "options_first":
+        return "none"
+    return default
 CONTENT_FREE_STATE = "N/A"
 MAX_READS = 64  # the most orders a request may ask one question to be read in (more than any option count)
 
