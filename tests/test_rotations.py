@@ -282,3 +282,14 @@ def test_an_answers_cached_and_evaluated_tokens_add_up_to_its_tokens_cold_and_fr
     again = engine.score(STATE, [ROUTE], debias=debias, reads=reads).distributions[0]
     assert cold.cached_tokens + cold.evaluated_tokens == cold.tokens
     assert again.evaluated_tokens == 0 and again.cached_tokens == again.tokens
+
+
+def test_a_first_read_from_the_memo_and_a_second_evaluated_still_add_up_to_the_answers_tokens(engine, memo_on):
+    """The read as listed answered from the label memo (an earlier single read), the read backwards evaluated
+    from a context that holds another state: the state is evaluated again, and nothing of it counts as cached."""
+    engine.invalidate()
+    engine.score(STATE, [ROUTE], debias="none")
+    engine.score("Another customer asks about an invoice.", [ROUTE], debias="none")
+    mixed = engine.score(STATE, [ROUTE], debias="reverse").distributions[0]
+    assert mixed.evaluated_tokens > 0
+    assert mixed.cached_tokens + mixed.evaluated_tokens == mixed.tokens

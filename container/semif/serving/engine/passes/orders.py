@@ -25,7 +25,7 @@ from ..plan import PromptPlan, QuestionPlan, TokenBudgetExceeded
 from ..results import Distribution, softmax
 from . import Answers, Core
 
-__all__ = ["Read", "cached_beyond_prefix", "combine", "combine_orders", "other_orders", "plan_orders", "read", "read_on_held_prefix",
+__all__ = ["Read", "cached_of_combined", "combine", "combine_orders", "other_orders", "plan_orders", "read", "read_on_held_prefix",
            "read_with_own_prefix", "replace_with_reads"]
 
 
@@ -56,12 +56,11 @@ def combine_orders(given: Sequence[float], *others: Sequence[float]) -> list[flo
     return (total / len(logs)).tolist()
 
 
-def cached_beyond_prefix(read: "Read") -> int:
-    """A further read's cached tokens less the prefix it shares with the first read: that prefix is counted
-    once in the answer's ``tokens`` (and in the first read's cached or evaluated tokens), so an answer's
-    cached and evaluated tokens add up to its tokens."""
-    shared = read.dist.tokens - read.qplan.input_tokens
-    return max(0, read.dist.cached_tokens - shared)
+def cached_of_combined(tokens: int, evaluated: int) -> int:
+    """An answer read in several orders: its cached tokens are its tokens less what its reads evaluated. The
+    reads share the state prefix, counted once in ``tokens``; a read may evaluate that prefix again (the
+    first read answered from the label memo, the next one not), and then nothing of it was cached."""
+    return max(0, tokens - evaluated)
 
 
 def other_orders(qplan: QuestionPlan) -> list[tuple[str, QuestionPlan]]:
@@ -126,7 +125,8 @@ def combine(plan: PromptPlan, qplan: QuestionPlan, given: Distribution, given_me
         option_logits=combined,
         probabilities=softmax(combined),
         tokens=given.tokens + sum(r.qplan.input_tokens for r in reads),
-        cached_tokens=given.cached_tokens + sum(cached_beyond_prefix(r) for r in reads),
+        cached_tokens=cached_of_combined(given.tokens + sum(r.qplan.input_tokens for r in reads),
+                                         given.evaluated_tokens + sum(r.dist.evaluated_tokens for r in reads)),
         evaluated_tokens=given.evaluated_tokens + sum(r.dist.evaluated_tokens for r in reads),
         scoring=given.scoring,
         label_token_ids=given.label_token_ids,

@@ -23,7 +23,7 @@ from ..plan import PromptPlan, QuestionPlan, read_orders
 from ..readout import log_softmax
 from ..results import Distribution, softmax
 from . import Answers, Core
-from .orders import Read, cached_beyond_prefix, combine_orders, read, replace_with_reads
+from .orders import Read, cached_of_combined, combine_orders, read, replace_with_reads
 
 __all__ = ["STOP_MARGIN_PER_READ", "read_on_held_prefix", "read_with_own_prefix", "settled"]
 
@@ -99,7 +99,8 @@ def _combine(plan: PromptPlan, reads: list[Read], stopped: str) -> Distribution:
         option_logits=combined,
         probabilities=probabilities,
         tokens=first.dist.tokens + sum(r.qplan.input_tokens for r in reads[1:]),
-        cached_tokens=first.dist.cached_tokens + sum(cached_beyond_prefix(r) for r in reads[1:]),
+        cached_tokens=cached_of_combined(first.dist.tokens + sum(r.qplan.input_tokens for r in reads[1:]),
+                                         sum(r.dist.evaluated_tokens for r in reads)),
         evaluated_tokens=sum(r.dist.evaluated_tokens for r in reads),
         scoring=first.dist.scoring,
         label_token_ids=given(first.dist.label_token_ids) if first.dist.label_token_ids else None,
