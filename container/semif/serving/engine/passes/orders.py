@@ -120,14 +120,15 @@ def combine(plan: PromptPlan, qplan: QuestionPlan, given: Distribution, given_me
         if plan.return_prompt:
             orders[r.name]["prompt_text"] = r.dist.prompt_text
             recompute[r.name] = dict(r.dist.recompute or {}, order=list(r.qplan.order))
+    tokens = given.tokens + sum(r.qplan.input_tokens for r in reads)
+    evaluated = given.evaluated_tokens + sum(r.dist.evaluated_tokens for r in reads)
     dist = Distribution(
         recompute=recompute,
         option_logits=combined,
         probabilities=softmax(combined),
-        tokens=given.tokens + sum(r.qplan.input_tokens for r in reads),
-        cached_tokens=cached_of_combined(given.tokens + sum(r.qplan.input_tokens for r in reads),
-                                         given.evaluated_tokens + sum(r.dist.evaluated_tokens for r in reads)),
-        evaluated_tokens=given.evaluated_tokens + sum(r.dist.evaluated_tokens for r in reads),
+        tokens=tokens,
+        cached_tokens=cached_of_combined(tokens, evaluated),
+        evaluated_tokens=evaluated,
         scoring=given.scoring,
         label_token_ids=given.label_token_ids,
         labels=given.labels,
