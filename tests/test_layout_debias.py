@@ -36,18 +36,21 @@ def _split(plan):
 def test_options_first_debias_gives_the_reversed_block_its_own_prefix_and_runs_the_state_after_it(engine):
     plan = engine.plan(TICKET, [ROUTING], layout="options_first", debias="reverse")
     question = plan.questions[0]
+    # The first read shows the direction whose first key sorts before its last: here the listing reversed
+    # ("access" before "network"), in the request's own prefix; the given listing is the other order.
+    assert question.order == (3, 2, 1, 0)
+    assert plan.prefix_text.index("A. Accounts, passwords") < plan.prefix_text.index(TICKET)
     back = question.reversed
-    assert back is not None and back.own_prefix_segments is not None
+    assert back is not None and back.own_prefix_segments is not None and back.order == (0, 1, 2, 3)
     shown = "".join(piece.text for piece in back.own_prefix_pieces)
-    # The reversed options come before the state, last option first; the state follows them.
-    assert shown.index("A. Accounts, passwords") < shown.index("D. Wi-Fi, VPN") < shown.index(TICKET)
-    assert plan.prefix_text.index("A. Wi-Fi, VPN") < plan.prefix_text.index(TICKET)
+    # The other order's options come before the state, in its order; the state follows them.
+    assert shown.index("A. Wi-Fi, VPN") < shown.index("D. Accounts, passwords") < shown.index(TICKET)
     assert plan.template_version.endswith("+options-first")
 
 
 def test_options_first_debias_reversed_order_equals_the_reversed_question_scored_alone(engine):
     start_cold(engine)
-    debiased = engine.score(TICKET, [ROUTING], layout="options_first", debias="reverse").distributions[0]
+    debiased = engine.score(TICKET, [ROUTING], layout="options_first", debias="reverse", reads=2).distributions[0]
     # Without debias a routing plan fuses the state with the question (one segment); debias keeps them
     # apart (the state prefix is shared by nothing else, but the reversed pass mirrors the given one).
     start_cold(engine)

@@ -57,12 +57,17 @@ def test_each_decisions_prompt_is_the_shared_text_and_its_own_as_one_decision_wo
     from semif.tools.recompute import answers_of
 
     state = STATE[:400]
-    body = _post(client, _batch(2, state, debias="reverse")).json()
+    body = _post(client, _batch(2, state, debias="reverse", reads=2)).json()
     for decision, result, whole in zip(_decisions(2), body["results"], answers_of(body)):
-        single = _post(client, {"decision": {**decision, "state": state}, "return_prompt": True, "debias": "reverse"}).json()
+        single = _post(client, {"decision": {**decision, "state": state}, "return_prompt": True, "debias": "reverse",
+                                "reads": 2}).json()
         assert body["prompt"]["text"] + result["prompt"]["text"] == single["prompt"]["text"]
-        reversed_text = result["prompt"]["orders"]["reversed"]["prompt_text"]
-        assert body["prompt"]["text"] + reversed_text == single["prompt"]["orders"]["reversed"]["prompt_text"]
+        assert set(result["prompt"]["orders"]) == {"given", "reversed"}
+        for name, read in result["prompt"]["orders"].items():
+            assert state not in read["prompt_text"]
+            assert body["prompt"]["text"] + read["prompt_text"] == single["prompt"]["orders"][name]["prompt_text"]
+        # Each further read's record holds its own segments, not the state again.
+        assert [len(r["segments"]) for r in result["prompt"]["recompute"]["reads"]] == [1]
         assert whole["prompt"]["recompute"] == single["prompt"]["recompute"]  # made whole again: the same record
 
 

@@ -19,6 +19,8 @@ every combination below comes from the same model calls:
   make the same pair, so both give this answer.
 - `rotations_k`: the mean log-probability of the first k scheduled rotations, k = 1 … n (k = 1 is the
   canonical order alone; the same whatever the listing).
+- `reverse_stop_rules(δ)`: debias "reverse" with its stop rule: the direction `plan.first_direction` picks
+  alone where its margin exceeds δ, else the pair; with how often it changes the pair's choice.
 - `stop_rule(δ)`: read rotations in schedule until the combined answer cannot change any more if each unread
   rotation moved the margin by at most δ against the leader (k · margin_k > (n − k) · δ, margins in mean
   log-probability), or all are read. δ is chosen as the smallest value whose early stop changes the final
@@ -100,7 +102,33 @@ def calibrated(rec: dict, priors: dict, which: str, keep_abstain: bool) -> int:
     return int(np.argmax(raw - content_free_shift(np.log(np.maximum(priors[which], 1e-300)), abstain)))
 
 
-def summarise(records: list[dict], abstain_last: dict | None = None, content_free: dict | None = None) -> dict:
+def reverse_stop_rules(records: list[dict], first_listed: dict, by_group: dict[str, list[int]]) -> list[dict]:
+    """debias "reverse" with its stop rule: the first direction (plan.first_direction; ``first_listed[id]``:
+    whether it is the row's listing) alone where its margin exceeds δ (1 · margin > 1 · δ), else the pair. The
+    answer is the same for the listing and its reverse, so one accuracy covers both."""
+    rules = []
+    for delta in [0.0, 0.25, 0.5, 0.75, 1.0, 1e9]:
+        picks, pairs, ones, ms = [], [], [], []
+        for r in records:
+            listed, back = log_softmax(r["given"]), log_softmax(r["reversed"])
+            first, first_ms = (listed, r["given_ms"]) if first_listed[r["id"]] else (back, r["reversed_ms"])
+            pair = int(np.argmax(combined([listed, back])))
+            one = margin(first) > delta
+            picks.append(int(np.argmax(first)) if one else pair)
+            pairs.append(pair)
+            ones.append(one)
+            ms.append(first_ms if one else r["given_ms"] + r["reversed_ms"])
+        rules.append({"delta": delta,
+                      "accuracy": round(sum(int(p == r["answer"]) for p, r in zip(picks, records)) / len(records), 3),
+                      "changed_vs_pair": round(sum(a != b for a, b in zip(picks, pairs)) / len(records), 3),
+                      "one_read_share": round(sum(ones) / len(records), 3), "p50_ms": round(statistics.median(ms), 1),
+                      "per_group": {g: round(sum(int(picks[i] == records[i]["answer"]) for i in ix) / len(ix), 3)
+                                    for g, ix in by_group.items()}})
+    return rules
+
+
+def summarise(records: list[dict], abstain_last: dict | None = None, content_free: dict | None = None,
+              first_listed: dict | None = None) -> dict:
     def acc(picks):
         return sum(int(p == r["answer"]) for p, r in zip(picks, records)) / len(records)
 
@@ -119,6 +147,8 @@ def summarise(records: list[dict], abstain_last: dict | None = None, content_fre
     out["same_choice_reversed_none"] = round(sum(p["given"] == p["reversed"] for p in per_row) / len(per_row), 3)
     out["both_orders_mean_accuracy_none"] = round((out["given"]["accuracy"] + out["reversed"]["accuracy"]) / 2, 3)
     out["reverse_pair"] = {"accuracy": round(acc([p["pair"] for p in per_row]), 3), "reads": 2}
+    if first_listed is not None:
+        out["reverse_stop_rules"] = reverse_stop_rules(records, first_listed, by_group)
     curve = []
     for k in range(1, 13):
         picks = [int(np.argmax(combined(p["rot"][:k]))) for p in per_row]
@@ -183,6 +213,15 @@ def summarise(records: list[dict], abstain_last: dict | None = None, content_fre
                                        for g in sorted({r["group"] for r in with_cf})
                                        for ix in [[i for i, r in enumerate(with_cf) if r["group"] == g]]}}
     return out
+
+
+def _first_is_listed(row: dict) -> bool:
+    """Whether debias "reverse" reads the row's listing first (plan.first_direction), not its reverse."""
+    from semif.serving.engine.plan import first_direction
+    from semif.serving.engine.prompt import Outcome, Question
+
+    question = Question(row["question"], tuple(Outcome(o["id"]) for o in row["options"]), kind="choice")
+    return first_direction(question)[0] == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                         text=True).stdout.strip(),
-               "model": Path(args.model).name, "data": Path(args.data).name, **summarise(records, last_done, cf_done)}
+               "model": Path(args.model).name, "data": Path(args.data).name,
+               **summarise(records, last_done, cf_done, {row["id"]: _first_is_listed(row) for row in chosen})}
     Path(str(out) + ".summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("stop_rules", "rotations_curve")}, indent=1))
     for r in summary["stop_rules"]:

@@ -232,6 +232,8 @@ def parse(body: Any, limits: Limits) -> Job:
                 # and why no further order was read.
                 prompt["reads"] = [dict(read, order=[decision.options[i].id for i in read["order"]])
                                    for read in dist.reads]
+            if getattr(dist, "reads_stopped", None) is not None:
+                # debias "rotations" and "reverse": why no further order was read ("settled", "requested", "all").
                 prompt["reads_stopped"] = dist.reads_stopped
             if getattr(dist, "temperature", None) is not None:
                 prompt["temperature"] = dist.temperature  # the native model's own, applied to the logits
@@ -330,18 +332,18 @@ def parse(body: Any, limits: Limits) -> Job:
 def shared_prompt(results: list[dict], prefix_text: Optional[str]) -> dict:
     """A batch's decisions share their state: with return_prompt, the text and the token segments that all
     their prompts start with are moved out of the results (rewritten in place) into one block,
-    ``{"text", "segments"}``. Each prompt text (`prompt.text`, `prompt.orders.reversed.prompt_text`) keeps what
-    follows `text`; each recompute record (`prompt.recompute`, its `reversed`, `second_look.first_pass.recompute`)
+    ``{"text", "segments"}``. Each prompt text (`prompt.text`, each `prompt.orders.*.prompt_text`) keeps what
+    follows `text`; each recompute record (`prompt.recompute`, its `reads`, `second_look.first_pass.recompute`)
     keeps the segments that follow the first `request_prompt_segments` of `segments`. So a response grows with the
     decisions' own prompts, never with one copy of the state per decision."""
     texts: list[tuple[dict, str]] = []
-    records: list[tuple[dict, str]] = []
+    records: list[tuple[Any, Any]] = []  # (holder, key): a dict and its key, or a list of reads and an index
     for entry in results:
         prompt = entry["prompt"]
         texts.append((prompt, "text"))
         if prompt.get("orders"):
-            prompt["orders"] = dict(prompt["orders"], reversed=dict(prompt["orders"]["reversed"]))
-            texts.append((prompt["orders"]["reversed"], "prompt_text"))
+            prompt["orders"] = {name: dict(read) for name, read in prompt["orders"].items()}
+            texts.extend((read, "prompt_text") for read in prompt["orders"].values() if "prompt_text" in read)
         if prompt.get("recompute"):
             records.append((prompt, "recompute"))
         first_pass = (entry.get("second_look") or {}).get("first_pass")
@@ -350,9 +352,9 @@ def shared_prompt(results: list[dict], prefix_text: Optional[str]) -> dict:
             records.append((entry["second_look"]["first_pass"], "recompute"))
     for holder, key in records:  # copies: the engine may hand one record to several places
         holder[key] = dict(holder[key])
-        if holder[key].get("reversed"):
-            holder[key]["reversed"] = dict(holder[key]["reversed"])
-            records.append((holder[key], "reversed"))
+        if holder[key].get("reads"):  # reads in several orders: each one's record, in its list
+            holder[key]["reads"] = list(holder[key]["reads"])
+            records.extend((holder[key]["reads"], index) for index in range(len(holder[key]["reads"])))
     candidates = [holder[key] for holder, key in texts if holder.get(key) is not None]
     text = os.path.commonprefix(candidates + ([prefix_text] if prefix_text is not None else [])) if candidates else ""
     for holder, key in texts:

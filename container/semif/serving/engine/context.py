@@ -366,9 +366,9 @@ class Engine:
                                    layout=layout, native=self.native is not None)
         if debias not in DEBIAS_MODES:
             raise PlanError(f"unknown debias mode {debias!r}; use one of {', '.join(DEBIAS_MODES)}", field="debias")
-        if reads is not None and debias != "rotations":
-            raise PlanError(f"reads applies to debias 'rotations' (this request's debias is {debias!r}): send debias "
-                            "'rotations' with it, or leave reads out", field="reads")
+        if reads is not None and debias not in ("rotations", "reverse"):
+            raise PlanError(f"reads applies to debias 'reverse' and 'rotations' (this request's debias is {debias!r}): "
+                            "send one of them with it, or leave reads out", field="reads")
         if debias == "rotations" and scoring != "label":
             raise PlanError("debias 'rotations' reads label probabilities: it needs scoring 'label'", field="debias")
         if self.native is not None:
@@ -885,6 +885,8 @@ class Engine:
         injection.run(self, plan, prefix, answers, cancel)
         orders.read_with_own_prefix(self, plan, prefix, answers)
         rotations.read_with_own_prefix(self, plan, prefix, answers)
+        # What the stop rule (or a request's reads) left unread is not part of this request's prompt.
+        unread = sum(d.unread_tokens for d in answers.distributions)
         prior.apply(answers, priors)
         second_look_pass.run(self, plan, prefix, answers, cancel)
         injection_suspected = injection.attach(plan, answers.distributions, answers)
@@ -897,7 +899,7 @@ class Engine:
         return ScoreResult(
             distributions=answers.distributions,
             state_tokens=prefix_len,
-            input_tokens=plan.input_tokens,
+            input_tokens=plan.input_tokens - unread,
             cached_tokens=state_cached + answers.memo_suffix_tokens,
             evaluated_tokens=answers.evaluated,
             compute_ms=(time.perf_counter() - started) * 1000,

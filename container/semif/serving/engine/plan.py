@@ -86,8 +86,9 @@ class Piece:
     special_tokens: bool
 
 
-# "reverse": each question in both option orders, their log-probabilities averaged (one more question
-# segment per question). "content_free": contextual calibration (Zhao et al., 2021) at run time: each
+# "reverse": each question in the given option order and its reverse, their log-probabilities averaged (one
+# more question segment per question); the direction first_direction picks is read first, and the other only
+# while the combined answer could still change (passes/orders.py, the stop rule). "content_free": contextual calibration (Zhao et al., 2021) at run time: each
 # probability divided by the model's probability for that option when the state says nothing
 # (CONTENT_FREE_STATE), with the same question and options; that prior depends on the question, not the
 # state, so the engine keeps it (Engine.content_free_entries) and a recurring decision pays for it once.
@@ -121,6 +122,19 @@ def canonical_order(question: Question) -> tuple[int, ...]:
     if question.kind in ("scale", "binary"):
         return tuple(range(n))
     return tuple(sorted(range(n), key=lambda i: question.outcomes[i].key))
+
+
+def first_direction(question: Question) -> tuple[int, ...]:
+    """debias "reverse": of the given order and its reverse, the one read first, as indices into
+    question.outcomes: the one whose first option's key sorts before its last's (code points). A listing and
+    its reverse make the same pair of orders, and this picks the same one of the two for both, so a question
+    the stop rule answers from one read gets the same answer whichever way the caller lists its options.
+    Ordered kinds are read as given first: a scale's levels are listed lowest first (the order is their
+    meaning) and a yes/no question is built Yes first, so neither has another listing."""
+    given = tuple(range(len(question.outcomes)))
+    if question.kind == "choice" and len(given) > 1 and question.outcomes[-1].key < question.outcomes[0].key:
+        return given[::-1]
+    return given
 
 
 def rotation_schedule(n: int) -> list[int]:
@@ -158,8 +172,9 @@ class QuestionPlan:
     label_variants: Optional[tuple[tuple[int, ...], ...]] = None
     # The outcomes as shown, as indices into question.outcomes; labels, variants and answers follow it.
     order: Optional[tuple[int, ...]] = None
-    # Order debiasing ("debias": "reverse"): the same question with its outcomes reversed, scored from
-    # the same state prefix; the engine combines both distributions.
+    # Order debiasing ("debias": "reverse"): the same question with its outcomes in this plan's order reversed
+    # (this plan shows first_direction), scored from the same state prefix while the answer could still change;
+    # the engine combines both distributions (passes/orders.py).
     reversed: Optional["QuestionPlan"] = None
     # debias "rotations": the reads after this one (this plan is the first, in the canonical order), each
     # the same question in another order (read_orders), scored from the same state prefix while the combined
@@ -278,8 +293,8 @@ class PromptPlan:
     # object); empty when not asked for.
     injection_checks: tuple[QuestionPlan, ...] = ()
     debias: str = "none"
-    # debias "rotations": how many reads each question asked for (its reads are planned up to this many), or
-    # None: read while the combined answer could still change (passes/orders.py, the stop rule).
+    # debias "rotations" and "reverse": how many reads each question asked for (its reads are planned up to
+    # this many), or None: read while the combined answer could still change (passes/rotations.py, the stop rule).
     reads: Optional[int] = None
     # Options-first, label scoring, nothing else scored after this state (no injection check, no order
     # debiasing): the state's last block and the question suffix are evaluated as one segment. Nothing
@@ -644,8 +659,13 @@ def build_plan(
         return text[len(moved):]
 
     def first_order(question: Question) -> tuple[int, ...]:
-        """The order a question is read in first: the given one, or under debias "rotations" the canonical one."""
-        return canonical_order(question) if debias == "rotations" else tuple(range(len(question.outcomes)))
+        """The order a question is read in first: under debias "rotations" the canonical one, under "reverse"
+        the first direction (first_direction), else the given one."""
+        if debias == "rotations":
+            return canonical_order(question)
+        if debias == "reverse":
+            return first_direction(question)
+        return tuple(range(len(question.outcomes)))
 
     main_prefix = make_prefix(first_order(questions[0]) if questions else ())
     prefix_pieces, segments, before_suffix, n_shared = main_prefix[:4]
@@ -681,8 +701,8 @@ def build_plan(
 
     planned = []
     for question, field, name in zip(questions, fields, names):
-        given = tuple(range(len(question.outcomes)))
-        plan = plan_question(question, field, name, first_order(question), before_suffix, main_prefix.between)
+        first = first_order(question)
+        plan = plan_question(question, field, name, first, before_suffix, main_prefix.between)
         if debias == "rotations":
             later = []
             for order in read_orders(question)[1:reads]:  # reads None: every order, the stop rule decides
@@ -694,13 +714,14 @@ def build_plan(
                                          own_prefix_pieces=o_pieces, own_prefix_segments=tuple(o_segments)))
             plan = replace(plan, reads=tuple(later))
         if debias == "reverse":
+            # The other direction: the first one reversed (the given order or its reverse).
             if layout == "state_first":
-                plan = replace(plan, reversed=plan_question(question, field, name, given[::-1], before_suffix,
+                plan = replace(plan, reversed=plan_question(question, field, name, first[::-1], before_suffix,
                                                             main_prefix.between))
             else:
                 # Options-first: the reversed options are their own cached block, and the state follows it.
-                r_pieces, r_segments, r_before, _, r_moved = make_prefix(given[::-1])
-                r_plan = replace(plan_question(question, field, name, given[::-1], r_before, r_moved),
+                r_pieces, r_segments, r_before, _, r_moved = make_prefix(first[::-1])
+                r_plan = replace(plan_question(question, field, name, first[::-1], r_before, r_moved),
                                  own_prefix_pieces=r_pieces, own_prefix_segments=tuple(r_segments))
                 plan = replace(plan, reversed=r_plan)
         suffix_len = max(len(p.suffix_tokens) + max((len(a) for a in p.answer_tokens), default=0)
@@ -727,7 +748,7 @@ def build_plan(
         return_prompt=return_prompt,
         layout=layout,
         debias=debias,
-        reads=reads if debias == "rotations" else None,
+        reads=reads if debias in ("rotations", "reverse") else None,
         fuse_state_and_question=(layout == "options_first" and scoring == "label" and debias in ("none", "content_free")
                                  and len(planned) == 1),
     )

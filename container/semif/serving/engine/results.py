@@ -48,8 +48,9 @@ class Distribution:
     # Every token scored per label (label_token_ids holds the first of each).
     label_variant_ids: Optional[list[list[int]]] = None
     debias: str = "none"
-    # With debias "reverse": each order's own answer, outcomes in the given order
-    # ({"given": {...}, "reversed": {...}}, each with probabilities, option_logits, label_mass).
+    # With debias "reverse": each order read, keyed "given" or "reversed", its answer with outcomes in the
+    # given order ({"order", "probabilities", "option_logits", "label_mass", ...}); reads_stopped says why the
+    # other was not read, if it was not.
     orders: Optional[dict] = None
     # Sequence scoring: each option's token log-probabilities (its last token is the end-of-turn token).
     answer_token_logprobs: Optional[list[list[float]]] = None
@@ -72,6 +73,9 @@ class Distribution:
     # probabilities are then the reads combined (the mean of their log-probabilities).
     reads: Optional[list[dict]] = None
     reads_stopped: Optional[str] = None
+    # Prompt tokens of the orders planned but not read (the stop rule or the request's `reads`): the request's
+    # input_tokens leave them out (Engine._execute).
+    unread_tokens: int = 0
 
 
 @dataclass

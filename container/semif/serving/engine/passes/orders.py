@@ -3,14 +3,22 @@
 Each read scores the question as one ``QuestionPlan`` shows it (``order``: the shown outcomes as indices into
 the given ones) and is put back in the given order; the answer's logits are the mean of the reads'
 log-probabilities (``combine_orders``), so their softmax is the renormalised geometric mean. Debias
-"reverse" reads two orders: the given one and ``QuestionPlan.reversed``.
+"reverse" reads two orders: the given one and its reverse. The one ``plan.first_direction`` picks is read
+first (the same one for a listing and its reverse), and the other only while the combined answer could still
+change (``settled``, the stop rule debias "rotations" shares; label scoring, where it was measured: cloze
+scoring reads both). A request that sends ``reads`` gets that many (at most two), without the stop rule.
 
-Entry points: ``other_orders`` (the orders a question is read in besides the given one), ``read`` (one
+The stop rule: after k of the n orders, stop when k · margin > (n − k) · STOP_MARGIN_PER_READ, margin being the
+combined answer's lead of its first option over its second in mean log-probability. It holds when no unread
+order, moving the margin against the leader by at most STOP_MARGIN_PER_READ, could change the choice. It
+depends on the request alone (never on other traffic), so the answer is the same alone or among others.
+
+Entry points: ``other_orders`` (the orders a question is read in besides the first one), ``read`` (one
 question in one order from the held prefix, or the order's own prefix), ``combine`` (reads into one
 Distribution). ``read_on_held_prefix`` and ``read_with_own_prefix`` are the pass as ``Engine._execute``
-runs it: reads that share the given order's prefix right after it, while the context holds that prefix;
+runs it: reads that share the first order's prefix right after it, while the context holds that prefix;
 reads with a prefix of their own (options first: the options come before the state) after everything
-else that reuses the given prefix.
+else that reuses the first order's prefix.
 """
 
 from __future__ import annotations
@@ -22,11 +30,31 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..plan import PromptPlan, QuestionPlan, TokenBudgetExceeded
+from ..readout import log_softmax
 from ..results import Distribution, softmax
 from . import Answers, Core
 
-__all__ = ["Read", "cached_of_combined", "combine", "combine_orders", "other_orders", "plan_orders", "read", "read_on_held_prefix",
-           "read_with_own_prefix", "replace_with_reads"]
+__all__ = ["STOP_MARGIN_PER_READ", "Read", "cached_of_combined", "combine", "combine_orders", "listing_name",
+           "other_orders", "plan_orders", "read", "read_on_held_prefix", "read_with_own_prefix", "replace_with_reads",
+           "settled"]
+
+# The most one unread order is assumed to move the margin against the leader (mean log-probability, nats).
+# Chosen on the dev split (120 stratified decisions, tools/order_study.py; docs/benchmarks.md): the smallest value
+# on a grid of 0.25 whose early stop changed the final choice in at most 2% of decisions compared with reading
+# every order. Rotations: 0.25 changed 2.5%, 0.5 changed 0.8%. Reverse (two orders): 0.25 changed 2.5%, 0.5
+# changed 0.8%, and 35% of decisions stopped after one read.
+STOP_MARGIN_PER_READ = 0.5
+
+
+def settled(log_probs: list[np.ndarray], total: int, per_read: float = STOP_MARGIN_PER_READ) -> bool:
+    """Whether reading the other ``total - len(log_probs)`` orders could no longer change the choice."""
+    k = len(log_probs)
+    if k >= total:
+        return True
+    mean = np.mean(log_probs, axis=0)
+    top = np.sort(mean)[::-1]
+    margin = float(top[0] - top[1]) if len(top) > 1 else float("inf")
+    return k * margin > (total - k) * per_read
 
 
 @dataclass
@@ -64,8 +92,14 @@ def cached_of_combined(tokens: int, evaluated: int) -> int:
 
 
 def other_orders(qplan: QuestionPlan) -> list[tuple[str, QuestionPlan]]:
-    """The orders ``qplan`` is read in besides the given one, by record name."""
-    return [("reversed", qplan.reversed)] if qplan.reversed is not None else []
+    """The orders ``qplan`` is read in besides its first one, by record name."""
+    return [(listing_name(qplan.reversed), qplan.reversed)] if qplan.reversed is not None else []
+
+
+def listing_name(qplan: QuestionPlan) -> str:
+    """A read's key in the answer's ``orders`` record: "given" (the caller's listing) or "reversed" (its reverse)."""
+    order = list(qplan.order or ())
+    return "given" if order == sorted(order) else "reversed"
 
 
 def plan_orders(build: Callable[..., PromptPlan], *, max_request_tokens: Optional[int], budget_field: str,
@@ -100,65 +134,83 @@ def read(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[in
     return Read(name, qplan, dist, memo_tokens)
 
 
-def combine(plan: PromptPlan, qplan: QuestionPlan, given: Distribution, given_memo: int,
-            reads: Sequence[Read], debias: str = "reverse") -> tuple[Distribution, int]:
-    """The given order's answer and the other reads as one answer (combine_orders); each read's own answer
-    stays in ``orders``. Returns (distribution, suffix tokens answered from the memo by all reads)."""
-    in_given = [r.in_given_order(r.dist.option_logits) for r in reads]
-    combined = combine_orders(given.option_logits, *in_given)
-    masses = [m for m in (given.label_mass, *(r.dist.label_mass for r in reads)) if m is not None]
-    orders = {"given": {"probabilities": given.probabilities, "option_logits": given.option_logits,
-                        "label_mass": given.label_mass}}
-    recompute = None
-    if plan.return_prompt:
-        # option_logits = combine_orders(given, each read put back in the given order by its ``order``).
-        recompute = dict(given.recompute or {})
-    for r, logits in zip(reads, in_given):
-        orders[r.name] = {"probabilities": r.in_given_order(r.dist.probabilities), "option_logits": logits,
-                          "label_mass": r.dist.label_mass, "labels": r.dist.labels,
+def combine(plan: PromptPlan, qplan: QuestionPlan, first: Distribution, first_memo: int,
+            reads: Sequence[Read], debias: str = "reverse", stopped: Optional[str] = None) -> tuple[Distribution, int]:
+    """The first read's answer and the other reads as one answer (combine_orders); each read's own answer
+    stays in ``orders``. The arithmetic runs in the first read's order, the same for a listing and its reverse,
+    so both get the same answer to the last bit. ``stopped``: why no further order was read ("settled": the
+    stop rule; "requested": the request's ``reads``; "all"). Returns (distribution, suffix tokens answered from
+    the memo by all reads)."""
+    every = [Read(listing_name(qplan), qplan, first, first_memo), *reads]
+    shown = list(qplan.order)
+    in_given = [r.in_given_order(r.dist.option_logits) for r in every]
+    combined_shown = combine_orders(*[[logits[index] for index in shown] for logits in in_given])
+    back = every[0].in_given_order
+    masses = [r.dist.label_mass for r in every if r.dist.label_mass is not None]
+    orders = {}
+    for r, logits in zip(every, in_given):
+        orders[r.name] = {"order": list(r.qplan.order), "probabilities": r.in_given_order(r.dist.probabilities),
+                          "option_logits": logits, "label_mass": r.dist.label_mass, "labels": r.dist.labels,
                           "label_token_ids": r.dist.label_token_ids}
         if plan.return_prompt:
             orders[r.name]["prompt_text"] = r.dist.prompt_text
-            recompute[r.name] = dict(r.dist.recompute or {}, order=list(r.qplan.order))
-    tokens = given.tokens + sum(r.qplan.input_tokens for r in reads)
-    evaluated = given.evaluated_tokens + sum(r.dist.evaluated_tokens for r in reads)
+    recompute = None
+    if plan.return_prompt:
+        # option_logits = the mean of every read's log-probabilities, each put back in the given order by its
+        # ``order`` (this record is the first read's; tools/recompute.py).
+        recompute = dict(first.recompute or {}, order=shown,
+                         reads=[dict(r.dist.recompute or {}, order=list(r.qplan.order)) for r in every[1:]])
+    tokens = first.tokens + sum(r.qplan.input_tokens for r in every[1:])
+    evaluated = sum(r.dist.evaluated_tokens for r in every)
     dist = Distribution(
         recompute=recompute,
-        option_logits=combined,
-        probabilities=softmax(combined),
+        option_logits=back(combined_shown),
+        probabilities=back(softmax(combined_shown)),
         tokens=tokens,
         cached_tokens=cached_of_combined(tokens, evaluated),
         evaluated_tokens=evaluated,
-        scoring=given.scoring,
-        label_token_ids=given.label_token_ids,
-        labels=given.labels,
-        prompt_text=given.prompt_text,
+        scoring=first.scoring,
+        # Labels in the given order: the label each option had in the first read (the second look reads them so).
+        label_token_ids=back(first.label_token_ids) if first.label_token_ids else None,
+        labels=back(first.labels) if first.labels else None,
+        prompt_text=first.prompt_text,
         label_mass=sum(masses) / len(masses) if masses else None,
-        label_variant_ids=given.label_variant_ids,
+        label_variant_ids=back(first.label_variant_ids) if first.label_variant_ids else None,
         debias=debias,
         orders=orders,
+        reads_stopped=stopped,
     )
-    return dist, given_memo + sum(r.memo_tokens for r in reads)
+    return dist, sum(r.memo_tokens for r in every)
 
 
-def _read_all(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], given: Distribution,
-              given_memo: int) -> tuple[Distribution, int]:
-    reads = [read(core, plan, other, prefix, name) for name, other in other_orders(qplan)]
-    return combine(plan, qplan, given, given_memo, reads)
+def _read_all(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], first: Distribution,
+              first_memo: int) -> tuple[Distribution, int]:
+    others = other_orders(qplan)
+    total = 1 + len(others)
+    if plan.reads is not None:
+        others, stopped = others[: plan.reads - 1], ("all" if plan.reads >= total else "requested")
+    elif plan.scoring == "label" and settled([np.asarray(log_softmax(first.option_logits))], total):
+        others, stopped = [], "settled"
+    else:
+        stopped = "all"
+    reads = [read(core, plan, other, prefix, name) for name, other in others]
+    dist, memo = combine(plan, qplan, first, first_memo, reads, stopped=stopped)
+    dist.unread_tokens = sum(other.input_tokens for _, other in other_orders(qplan)[len(reads):])
+    return dist, memo
 
 
 def read_on_held_prefix(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]],
-                        given: Distribution, given_memo: int) -> tuple[Distribution, int]:
-    """Right after the given order's read: the other orders that share its prefix, combined with it (the
-    given answer unchanged where there are none, or where they wait for ``read_with_own_prefix``)."""
+                        first: Distribution, first_memo: int) -> tuple[Distribution, int]:
+    """Right after the first order's read: the other orders that share its prefix, combined with it (the
+    first answer unchanged where there are none, or where they wait for ``read_with_own_prefix``)."""
     if not other_orders(qplan) or _has_own_prefix(qplan):
-        return given, given_memo
-    return _read_all(core, plan, qplan, prefix, given, given_memo)
+        return first, first_memo
+    return _read_all(core, plan, qplan, prefix, first, first_memo)
 
 
 def read_with_own_prefix(core: Core, plan: PromptPlan, prefix: list[list[int]], answers: Answers) -> None:
     """The questions whose other orders have a prefix of their own: read last, after everything that reuses
-    the given order's prefix, each answer replaced by the combination."""
+    the first order's prefix, each answer replaced by the combination."""
     replace_with_reads(core, plan, prefix, answers, lambda q: bool(other_orders(q)) and _has_own_prefix(q), _read_all)
 
 

@@ -6,11 +6,8 @@ by id, so the prompt is the same whatever order the caller lists them in); ``Que
 other orders in the sequence they are read (plan.read_orders). Each read is put back in the given order and
 the answer's logits are the mean of the reads' log-probabilities (orders.combine_orders).
 
-The stop rule (a request that does not ask for a number of ``reads``): after k of the n orders, stop when
-k · margin > (n − k) · STOP_MARGIN_PER_READ, margin being the combined answer's lead of its first option over
-its second in mean log-probability. It holds when no unread order, moving the margin against the leader by at
-most STOP_MARGIN_PER_READ, could change the choice. It depends on the request alone (never on other traffic),
-so the answer is the same alone or among others.
+The stop rule (a request that does not ask for a number of ``reads``) is orders.settled: after k of the n
+orders, stop when k · margin > (n − k) · STOP_MARGIN_PER_READ.
 """
 
 from __future__ import annotations
@@ -23,26 +20,9 @@ from ..plan import PromptPlan, QuestionPlan, read_orders
 from ..readout import log_softmax
 from ..results import Distribution, softmax
 from . import Answers, Core
-from .orders import Read, cached_of_combined, combine_orders, read, replace_with_reads
+from .orders import STOP_MARGIN_PER_READ, Read, cached_of_combined, combine_orders, read, replace_with_reads, settled
 
 __all__ = ["STOP_MARGIN_PER_READ", "read_on_held_prefix", "read_with_own_prefix", "settled"]
-
-# The most one unread order is assumed to move the margin against the leader (mean log-probability, nats).
-# Chosen on the dev split (120 stratified decisions): the smallest value whose early stop changed the final
-# choice in at most 2% of decisions compared with reading every order (0.25 changed 2.5%, 0.5 changed 0.8%;
-# tools/order_study.py; docs/benchmarks.md, "Reads in several option orders").
-STOP_MARGIN_PER_READ = 0.5
-
-
-def settled(log_probs: list[np.ndarray], total: int, per_read: float = STOP_MARGIN_PER_READ) -> bool:
-    """Whether reading the other ``total - len(log_probs)`` orders could no longer change the choice."""
-    k = len(log_probs)
-    if k >= total:
-        return True
-    mean = np.mean(log_probs, axis=0)
-    top = np.sort(mean)[::-1]
-    margin = float(top[0] - top[1]) if len(top) > 1 else float("inf")
-    return k * margin > (total - k) * per_read
 
 
 def _canonical(reads: list[Read], values_of) -> list[list[float]]:
@@ -70,7 +50,9 @@ def _read_all(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[li
         reads.append(read(core, plan, more, prefix, "rotation"))
     if stopped is None:
         stopped = "all" if len(reads) == total else "requested"
-    return _combine(plan, reads, stopped), sum(r.memo_tokens for r in reads)
+    dist = _combine(plan, reads, stopped)
+    dist.unread_tokens = sum(r.input_tokens for r in qplan.reads[len(reads) - 1:])
+    return dist, sum(r.memo_tokens for r in reads)
 
 
 def _combine(plan: PromptPlan, reads: list[Read], stopped: str) -> Distribution:

@@ -1,0 +1,136 @@
+"""Debias "reverse" (the server default) reads the direction plan.first_direction picks, and the other direction
+only while the combined answer could still change (orders.settled, the stop rule). Real SmolLM2 inference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from semif.serving.engine.passes.orders import STOP_MARGIN_PER_READ, settled
+from semif.serving.engine.plan import PlanError, first_direction
+from semif.serving.engine.prompt import Outcome, Question
+from semif.serving.engine.readout import log_softmax
+
+STATES = (
+    "I was charged twice for my order and I want my money back now!",
+    "Bonjour, je ne peux pas me connecter à mon compte.",
+    "Thanks, the parcel arrived on time, all good.",
+)
+QUESTIONS = {
+    "route": Question("Which queue should handle this request?",
+                      (Outcome("billing", "Charges, refunds, invoices."), Outcome("account_access", "Login and password problems."),
+                       Outcome("shipping", "Delivery problems."))),
+    "refund": Question("Is the customer asking for a refund?",
+                       (Outcome("refund", "The customer wants money back."),
+                        Outcome("no_refund", "The customer does not want money back."))),
+    "mood": Question("What is the customer's mood?", (Outcome("angry"), Outcome("happy"), Outcome("neutral"))),
+    "language": Question("Which language is the message written in?",
+                         (Outcome("english"), Outcome("french"), Outcome("german"), Outcome("spanish"))),
+}
+CASES = [(state, name) for state in STATES for name in QUESTIONS]
+
+
+def _backwards(question: Question) -> Question:
+    return Question(question.text, tuple(reversed(question.outcomes)), kind=question.kind)
+
+
+def _answer(engine, state, question, **kwargs):
+    return engine.score(state, [question], debias="reverse", **kwargs).distributions[0]
+
+
+def test_the_first_direction_is_the_same_for_a_listing_and_its_reverse_and_ordered_kinds_keep_theirs():
+    listed = Question("q", (Outcome("b"), Outcome("a"), Outcome("c")))
+    backwards = _backwards(listed)
+    shown = [[q.outcomes[i].key for i in first_direction(q)] for q in (listed, backwards)]
+    assert shown == [["b", "a", "c"], ["b", "a", "c"]]
+    assert first_direction(backwards) == (2, 1, 0)
+    scale = Question("q", (Outcome("low"), Outcome("medium"), Outcome("high")), kind="scale")
+    yes_no = Question("q", (Outcome("true"), Outcome("false")), kind="binary")
+    assert first_direction(scale) == (0, 1, 2) and first_direction(yes_no) == (0, 1)
+
+
+def test_the_answer_is_the_first_read_where_the_stop_rule_settles_and_both_reads_where_it_does_not(engine, memo_off):
+    outcomes = []
+    for state, name in CASES:
+        question = QUESTIONS[name]
+        one, both = _answer(engine, state, question, reads=1), _answer(engine, state, question, reads=2)
+        answer = _answer(engine, state, question)
+        settles = settled([np.asarray(log_softmax(one.option_logits))], 2)
+        expected = one if settles else both
+        assert answer.probabilities == expected.probabilities and answer.option_logits == expected.option_logits, name
+        assert answer.tokens == expected.tokens
+        assert answer.reads_stopped == ("settled" if settles else "all")
+        assert (one.reads_stopped, both.reads_stopped) == ("requested", "all")
+        assert len(answer.orders) == (1 if settles else 2) and set(both.orders) == {"given", "reversed"}
+        lead = np.sort(log_softmax(one.option_logits))[::-1]
+        assert settles == (lead[0] - lead[1] > STOP_MARGIN_PER_READ)
+        outcomes.append(settles)
+    # The cases drive both branches of the rule.
+    assert 2 <= sum(outcomes) <= len(outcomes) - 2, outcomes
+
+
+@pytest.mark.parametrize("state,name", CASES)
+def test_a_listing_and_its_reverse_get_the_same_answer_to_the_last_bit(engine, state, name):
+    question = QUESTIONS[name]
+    listed, backwards = _answer(engine, state, question), _answer(engine, state, _backwards(question))
+    assert listed.probabilities == backwards.probabilities[::-1]
+    assert listed.option_logits == backwards.option_logits[::-1]
+    assert listed.reads_stopped == backwards.reads_stopped
+    assert listed.labels == backwards.labels[::-1]  # each option keeps the label of the first read
+
+
+def test_cloze_scoring_reads_both_orders_where_label_scoring_stops(engine):
+    state, question = STATES[1], QUESTIONS["mood"]
+    assert _answer(engine, state, question).reads_stopped == "settled"
+    cloze = _answer(engine, state, question, scoring="sequence")
+    assert cloze.reads_stopped == "all" and set(cloze.orders) == {"given", "reversed"}
+
+
+@pytest.mark.parametrize("debias", ["none", "content_free"])
+def test_reads_is_refused_where_no_orders_are_read(engine, debias):
+    with pytest.raises(PlanError) as refused:
+        engine.plan(STATES[0], [QUESTIONS["route"]], debias=debias, reads=1)
+    assert refused.value.field == "reads"
+
+
+def test_a_semif_request_reports_why_no_further_order_was_read_and_may_ask_for_both(client):
+    body = {"decision": {"id": "mood", "state": STATES[1], "question": QUESTIONS["mood"].text,
+                         "options": [{"id": o.key} for o in QUESTIONS["mood"].outcomes]}}
+    settled_answer = client.post("/v1/semif", json={**body, "return_prompt": True}).json()
+    assert settled_answer["prompt"]["debias"] == "reverse" and settled_answer["prompt"]["reads_stopped"] == "settled"
+    assert len(settled_answer["prompt"]["orders"]) == 1
+    both = client.post("/v1/semif", json={**body, "reads": 2, "return_prompt": True}).json()
+    assert both["prompt"]["reads_stopped"] == "all" and set(both["prompt"]["orders"]) == {"given", "reversed"}
+    assert both["prompt"]["tokens"] > settled_answer["prompt"]["tokens"]
+    refused = client.post("/v1/semif", json={**body, "debias": "none", "reads": 1})
+    assert refused.status_code == 422 and "reads" in refused.text
+
+
+@pytest.mark.parametrize("debias", ["reverse", "rotations"])
+def test_input_tokens_count_the_orders_read_not_the_orders_planned(engine, memo_off, debias):
+    state, question = STATES[1], QUESTIONS["mood"]
+    plan = engine.plan(state, [question], debias=debias)
+    result = engine.execute(plan)
+    answer = result.distributions[0]
+    assert answer.reads_stopped == "settled"
+    # The state once and each read's question segment; the orders left unread are not counted.
+    assert result.input_tokens == answer.tokens < plan.input_tokens
+    if debias == "reverse":
+        assert answer.tokens == plan.state_tokens + len(plan.questions[0].suffix_tokens)
+    every = engine.score(state, [question], debias=debias, reads=len(question.outcomes))
+    assert every.input_tokens == every.distributions[0].tokens == plan.input_tokens
+
+
+@pytest.mark.parametrize("name", ["route", "mood"])
+def test_a_second_look_reads_the_first_direction_so_a_listing_and_its_reverse_get_one_answer(engine, name):
+    """The look reads the options in the first read's order with its labels: the same prompt for both
+    listings (a look that read the caller's listing could answer each listing differently)."""
+    from semif.serving.engine.plan import SecondLook
+
+    look = SecondLook(below_margin=1.0, max_tokens=16, settle_every=0)
+    question = QUESTIONS[name]
+    listed = engine.score(STATES[0], [question], debias="reverse", second_look=look).distributions[0]
+    backwards = engine.score(STATES[0], [_backwards(question)], debias="reverse", second_look=look).distributions[0]
+    assert listed.second_look["ran"] and backwards.second_look["ran"]
+    assert listed.second_look["reasoning"] == backwards.second_look["reasoning"]
+    assert listed.probabilities == backwards.probabilities[::-1]
