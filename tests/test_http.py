@@ -97,7 +97,7 @@ def test_shared_state_batch_equals_separate_requests(client, engine, memo_off):
     suffixes = [r["prompt"]["tokens"] - usage["state_tokens"] for r in results]
     assert all(s > 0 for s in suffixes)
     assert usage["input_tokens"] == usage["state_tokens"] + sum(suffixes)
-    # Evaluated: every input token, each decision in both option orders (the server's default debiasing)
+    # Evaluated: every input token, each decision in the orders it was read in (the server's default debiasing)
     # over the one state prefix.
     assert all(r["prompt"]["debias"] == "reverse" for r in results)
     assert usage["cached_tokens"] == 0 and usage["evaluated_tokens"] == usage["input_tokens"]

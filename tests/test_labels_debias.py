@@ -291,7 +291,7 @@ def _computed(result):
 def test_debiased_answer_is_the_renormalised_mean_log_probability_of_both_orders(engine, memo_off):
     given = _computed(engine.score(STATE, [ROUTE])).distributions[0]
     back = _computed(engine.score(STATE, [reversed_question(ROUTE)])).distributions[0]
-    debiased = _computed(engine.score(STATE, [ROUTE], debias="reverse", return_prompt=True)).distributions[0]
+    debiased = _computed(engine.score(STATE, [ROUTE], debias="reverse", reads=2, return_prompt=True)).distributions[0]
     expected = softmax(combine_orders(given.option_logits, back.option_logits[::-1]))
     np.testing.assert_allclose(debiased.probabilities, expected, atol=1e-5)
     np.testing.assert_allclose(debiased.orders["given"]["probabilities"], given.probabilities, atol=1e-5)
@@ -344,7 +344,7 @@ def test_an_options_first_recap_names_each_label_with_its_key_in_the_order_shown
 def test_debiasing_evaluates_the_state_once_and_one_more_question_segment(engine, memo_off):
     start_cold(engine)
     plain = engine.plan(STATE, [ROUTE])
-    plan = engine.plan(STATE, [ROUTE], debias="reverse")
+    plan = engine.plan(STATE, [ROUTE], debias="reverse", reads=2)
     result = engine.execute(plan)
     assert result.evaluated_tokens == result.input_tokens == plan.state_tokens + len(plan.questions[0].suffix_tokens) \
         + len(plan.questions[0].reversed.suffix_tokens)
@@ -441,7 +441,7 @@ def test_a_request_that_does_not_send_debias_is_read_in_both_orders_so_either_li
 
 
 def test_semif_reports_label_mass_and_both_orders_when_the_prompt_is_asked_for(client):
-    payload = client.post("/v1/semif", json={**SEMIF_BODY, "debias": "reverse", "return_prompt": True}).json()
+    payload = client.post("/v1/semif", json={**SEMIF_BODY, "debias": "reverse", "reads": 2, "return_prompt": True}).json()
     assert 0.0 < payload["label_mass"] <= 1.0
     prompt = payload["prompt"]
     assert prompt["debias"] == "reverse"

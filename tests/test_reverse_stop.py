@@ -134,3 +134,35 @@ def test_a_second_look_reads_the_first_direction_so_a_listing_and_its_reverse_ge
     assert listed.second_look["ran"] and backwards.second_look["ran"]
     assert listed.second_look["reasoning"] == backwards.second_look["reasoning"]
     assert listed.probabilities == backwards.probabilities[::-1]
+
+
+def test_a_request_that_fits_one_read_only_is_refused_naming_reads_and_fits_with_one_read(engine):
+    from semif.serving.engine.plan import TokenBudgetExceeded
+
+    state, question = STATES[0], QUESTIONS["route"]
+    budget = engine.plan(state, [question], debias="none").worst_case_tokens
+    with pytest.raises(TokenBudgetExceeded) as over:
+        engine.plan(state, [question], debias="reverse", max_request_tokens=budget)
+    assert over.value.field == "debias" and "send reads 1" in str(over.value)
+    one = engine.plan(state, [question], debias="reverse", reads=1, max_request_tokens=budget)
+    assert one.worst_case_tokens == budget and one.questions[0].reversed is None
+    answer = engine.execute(one).distributions[0]
+    assert answer.reads_stopped == "requested" and answer.debias == "reverse" and len(answer.orders) == 1
+
+
+@pytest.mark.parametrize("debias,kept", [("none", True), ("reverse", False)])
+def test_a_calibration_fit_for_reads_in_several_orders_carries_no_listing_keyed_prior(engine, debias, kept):
+    """A contextual prior applies where a request's options hash (in its listing's order) to the one it was
+    measured on: under reverse it would calibrate a listing and its reverse differently, so none is written."""
+    import json
+    from pathlib import Path
+
+    from semif.serving.postprocess.calibration import FitKind
+    from semif.tools.calibrate import fit_kind
+    from semif.tools.evaluate import InProcessTarget
+
+    sample = Path(__file__).resolve().parents[1] / "data" / "decisions-sample.jsonl"
+    rows = [json.loads(line) for line in sample.read_text(encoding="utf-8").splitlines() if line.strip()][:12]
+    entry, _ = fit_kind(InProcessTarget(engine), rows, FitKind("label", "state_first", debias), folds=3, seed=0,
+                        min_per_decision=2, contextual="on")
+    assert ("contextual" in entry) is kept

@@ -82,9 +82,9 @@ def main(argv=None) -> int:
             record = {"id": row["id"], "file": row["_file"], "answer": row["answer"]}
             given = Question(row["question"], tuple(Outcome(k, d) for k, d in options))
             reverse = Question(row["question"], tuple(Outcome(k, d) for k, d in options[::-1]))
-            # One debiased request scores both orders over one cached state; its per-order answers are
-            # exactly what "none" answers for the given and for the reversed listing (the tests check this).
-            dist = engine.score(row["state"], [given], scoring=args.scoring, debias="reverse").distributions[0]
+            # One debiased request scores both orders over one cached state (reads 2: the stop rule off); its
+            # per-order answers are exactly what "none" answers for the given and for the reversed listing.
+            dist = engine.score(row["state"], [given], scoring=args.scoring, debias="reverse", reads=2).distributions[0]
             ids = [k for k, _ in options]
             for name, probabilities in (("none_given", dist.orders["given"]["probabilities"]),
                                         ("none_reversed", dist.orders["reversed"]["probabilities"]),

@@ -97,7 +97,8 @@ class Settings:
     # max_injection turns it on for its requests regardless.
     injection_check: bool = False
     # Debiasing by default (a request's `debias` overrides it): reverse reads each question as listed and
-    # with its options reversed and averages the two reads' log-probabilities, so the answer is the same
+    # with its options reversed (the second read only while the answer could still change) and averages the
+    # reads' log-probabilities, so the answer is the same
     # whichever of the two orders the caller lists (label scoring; cloze requests and native decision models
     # keep "none"). Chosen on the dev split by accuracy in both listings: docs/benchmarks.md, "Choosing the
     # default readout"; docs/explanation/scoring.md, "Option order debiasing".

@@ -72,6 +72,10 @@ def fit_kind(target, rows: list[dict], kind: FitKind, *, folds: int, seed: int, 
             case_rows.append(row)
     if len(cases) < 2:
         raise SystemExit(f"semif-calibrate: only {len(cases)} valid {kind} answers; need at least 2")
+    if kind.debias in ("reverse", "rotations"):
+        # A contextual prior is measured on one listing and applies where a request's options hash to it, so a
+        # listing and its reverse would be calibrated differently; these readouts exist to answer both alike.
+        contextual = "off"
     priors = content_free_priors(target, case_rows, scoring, **options) if contextual != "off" else {}
     for case, row in zip(cases, case_rows):
         case.log_prior = priors.get(prior_key(row))

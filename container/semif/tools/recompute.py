@@ -163,7 +163,13 @@ def recompute_logits(record: dict, model_path: str | Path, *, context: Optional[
             reads = [(logits, record["order"])] + [(_order_logits(context, r), r["order"]) for r in record["reads"]]
             total = sum(_log_softmax(_in_given(shown, order)) for shown, order in reads)
             return (total / len(reads)).tolist()
-        return logits
+        reversed_ = record.get("reversed")
+        if reversed_ is None:
+            return logits
+        # A reverse record that lists its other order as `reversed` (the given order first): the mean of both
+        # orders' log-probabilities, the reversed one put back in the given order.
+        back = _in_given(_order_logits(context, reversed_), reversed_["order"])
+        return ((_log_softmax(logits) + _log_softmax(back)) / 2).tolist()
     finally:
         if own:
             context.close()
@@ -197,6 +203,8 @@ def whole_record(record: dict, shared: list[dict]) -> dict:
     count = record.get("request_prompt_segments", 0)
     whole = {k: v for k, v in record.items() if k != "request_prompt_segments"}
     whole["segments"] = list(shared[:count]) + list(record["segments"])
+    if record.get("reversed"):
+        whole["reversed"] = whole_record(record["reversed"], shared)
     if record.get("reads"):
         whole["reads"] = [whole_record(r, shared) for r in record["reads"]]
     return whole

@@ -105,13 +105,13 @@ class SingleRequest(_Strict):
     policy: Optional[AbstentionPolicy] = None
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
-    # Debiasing: "reverse" scores each decision in the given and the reversed option order and combines
-    # both; "content_free" divides out the model's prior for each option (its answer for the state "N/A");
+    # Debiasing: "reverse" scores each decision in the given and the reversed option order (the second only
+    # while the answer could still change) and combines them; "content_free" divides out the model's prior for each option (its answer for the state "N/A");
     # "rotations" reads the options in a canonical order and its rotations; None takes the server default
     # (SEMIF_DEBIAS).
     debias: Optional[Literal["none", "reverse", "content_free", "rotations"]] = None
-    # debias "rotations": how many orders to read each decision in (the canonical order first); absent: read
-    # while the combined answer could still change (engine/passes/orders.py).
+    # debias "rotations" or "reverse": how many orders to read each decision in (the first one first); absent:
+    # read while the combined answer could still change (engine/passes/orders.py, the stop rule).
     reads: Optional[int] = Field(default=None, ge=1, le=MAX_READS)
     # Opt-in: the model reasons within a budget before the label is read again, for ambiguous answers.
     second_look: Optional[SecondLookSpec] = None
@@ -125,13 +125,13 @@ class BatchRequest(_Strict):
     policy: Optional[AbstentionPolicy] = None
     layout: Optional[Literal["state_first", "options_first"]] = None
     injection_check: Optional[bool] = None
-    # Debiasing: "reverse" scores each decision in the given and the reversed option order and combines
-    # both; "content_free" divides out the model's prior for each option (its answer for the state "N/A");
+    # Debiasing: "reverse" scores each decision in the given and the reversed option order (the second only
+    # while the answer could still change) and combines them; "content_free" divides out the model's prior for each option (its answer for the state "N/A");
     # "rotations" reads the options in a canonical order and its rotations; None takes the server default
     # (SEMIF_DEBIAS).
     debias: Optional[Literal["none", "reverse", "content_free", "rotations"]] = None
-    # debias "rotations": how many orders to read each decision in (the canonical order first); absent: read
-    # while the combined answer could still change (engine/passes/orders.py).
+    # debias "rotations" or "reverse": how many orders to read each decision in (the first one first); absent:
+    # read while the combined answer could still change (engine/passes/orders.py, the stop rule).
     reads: Optional[int] = Field(default=None, ge=1, le=MAX_READS)
     # Opt-in: the model reasons within a budget before the label is read again, for ambiguous answers.
     second_look: Optional[SecondLookSpec] = None
@@ -245,8 +245,10 @@ def parse(body: Any, limits: Limits) -> Job:
                 # What a fresh llama.cpp context decodes to reproduce option_logits (docs/adapter.md).
                 prompt["recompute"] = getattr(dist, "recompute", None)
                 if dist.orders is not None:
-                    # Each order's own answer (outcomes in the given order), before they were combined.
-                    prompt["orders"] = dist.orders
+                    # Each order's own answer (outcomes in the given order), before they were combined; its
+                    # order as the option ids it showed, first to last (as prompt.reads under rotations).
+                    prompt["orders"] = {name: dict(read, order=[decision.options[i].id for i in read["order"]])
+                                        for name, read in dist.orders.items()}
             entry = {
                     "id": decision.id,
                     "option_ids": [o.id for o in decision.options],

@@ -367,8 +367,10 @@ class Engine:
         if debias not in DEBIAS_MODES:
             raise PlanError(f"unknown debias mode {debias!r}; use one of {', '.join(DEBIAS_MODES)}", field="debias")
         if reads is not None and debias not in ("rotations", "reverse"):
-            raise PlanError(f"reads applies to debias 'reverse' and 'rotations' (this request's debias is {debias!r}): "
-                            "send one of them with it, or leave reads out", field="reads")
+            why = (" (the server's default debiasing, which reads once under this scoring, layout or model)"
+                   if by_default else "")
+            raise PlanError(f"reads applies to debias 'reverse' and 'rotations' (this request's debias is {debias!r}"
+                            f"{why}): send one of them with it, or leave reads out", field="reads")
         if debias == "rotations" and scoring != "label":
             raise PlanError("debias 'rotations' reads label probabilities: it needs scoring 'label'", field="debias")
         if self.native is not None:

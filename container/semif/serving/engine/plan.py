@@ -713,8 +713,9 @@ def build_plan(
                     later.append(replace(plan_question(question, field, name, order, o_before, o_moved),
                                          own_prefix_pieces=o_pieces, own_prefix_segments=tuple(o_segments)))
             plan = replace(plan, reads=tuple(later))
-        if debias == "reverse":
-            # The other direction: the first one reversed (the given order or its reverse).
+        if debias == "reverse" and len(first) > 1 and (reads is None or reads >= 2):
+            # The other direction: the first one reversed (the given order or its reverse); not planned where
+            # the request asked for one read, so the budget counts what it may read.
             if layout == "state_first":
                 plan = replace(plan, reversed=plan_question(question, field, name, first[::-1], before_suffix,
                                                             main_prefix.between))
@@ -812,7 +813,8 @@ def build_plan(
             # value that does not depend on the request's other questions. Copies of a question share one.
             for q in questions:
                 # The options as the request's first read shows them: under debias "rotations" the canonical
-                # order, so that the check, like the answer, does not depend on the caller's listing.
+                # order, under "reverse" the first direction, so that the check, like the answer, does not depend
+                # on the caller's listing (or, under "reverse", on which of a listing and its reverse it is).
                 first = first_order(q)
                 shown = render_question_block(q, label_choice(q, first)[0], first, style=template.style)
                 if shown not in by_block:

@@ -116,9 +116,9 @@ def plan_orders(build: Callable[..., PromptPlan], *, max_request_tokens: Optiona
         if alone.worst_case_tokens <= max_request_tokens:
             blamed = TokenBudgetExceeded(over.tokens, over.budget, field=budget_field if by_default else "debias")
             counted = ("each question in both option orders" if debias == "reverse" else
-                       "each question in every order it may be read in (rotations; send reads to read fewer)")
+                       "each question in every order it may be read in")
             blamed.args = (f"{over}; with debias {debias!r}{' (the server default)' if by_default else ''} that "
-                           f"counts {counted}: send debias 'none' to leave it out",)
+                           f"counts {counted}: send reads 1 (SemIf) or debias 'none' to read each question once",)
             raise blamed from None
         raise
 
@@ -152,7 +152,7 @@ def combine(plan: PromptPlan, qplan: QuestionPlan, first: Distribution, first_me
         orders[r.name] = {"order": list(r.qplan.order), "probabilities": r.in_given_order(r.dist.probabilities),
                           "option_logits": logits, "label_mass": r.dist.label_mass, "labels": r.dist.labels,
                           "label_token_ids": r.dist.label_token_ids}
-        if plan.return_prompt:
+        if plan.return_prompt and r is not every[0]:  # the first read's text is the answer's prompt_text
             orders[r.name]["prompt_text"] = r.dist.prompt_text
     recompute = None
     if plan.return_prompt:
@@ -202,7 +202,10 @@ def _read_all(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[li
 def read_on_held_prefix(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]],
                         first: Distribution, first_memo: int) -> tuple[Distribution, int]:
     """Right after the first order's read: the other orders that share its prefix, combined with it (the
-    first answer unchanged where there are none, or where they wait for ``read_with_own_prefix``)."""
+    first answer unchanged where there are none, or where they wait for ``read_with_own_prefix``). Debias
+    "reverse" with ``reads`` 1 plans no other order: the first read alone, recorded as the request asked."""
+    if plan.debias == "reverse" and qplan.reversed is None:
+        return combine(plan, qplan, first, first_memo, [], stopped="requested")
     if not other_orders(qplan) or _has_own_prefix(qplan):
         return first, first_memo
     return _read_all(core, plan, qplan, prefix, first, first_memo)
