@@ -255,7 +255,7 @@ def test_a_cancelled_request_stops_between_waves_while_the_others_answer(batched
 # ---- the collector: which waiting requests decode together -------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["sequence", "reverse", "rotations", "injection_check"])
+@pytest.mark.parametrize("kind", ["sequence", "reverse", "reverse_one_read", "rotations", "injection_check"])
 def test_a_request_the_batch_cannot_decode_runs_alone_and_no_batched_answer_waits_for_it(at_defaults, kind):
     """Three requests wait while the model is busy: a batchable one, one the batch cannot decode (cloze,
     order debiasing, the injection check: the serial path) on a long state, and another batchable one. The
@@ -270,6 +270,8 @@ def test_a_request_the_batch_cannot_decode_runs_alone_and_no_batched_answer_wait
     _cold(eng)
     long_state = " ".join(STATES[:3] * 3)
     options = {"sequence": dict(scoring="sequence"), "reverse": dict(debias="reverse"),
+               # One read plans no other order, but shows the first direction: the serial pass maps it back.
+               "reverse_one_read": dict(debias="reverse", reads=1),
                "rotations": dict(debias="rotations", reads=1), "injection_check": dict(injection_check=True)}[kind]
     plans = {"first": eng.plan(STATES[1], [ROUTE]), "slow": eng.plan(long_state, [ROUTE, TONE], **options),
              "after": eng.plan(STATES[2], [IS_ACCOUNT])}

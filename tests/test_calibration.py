@@ -313,6 +313,21 @@ def test_a_file_applies_platt_when_it_says_so_and_a_file_without_applied_keeps_i
     assert probs == pytest.approx(softmax(logits, 2.0).tolist()) and record["method"] == "temperature"
 
 
+@pytest.mark.parametrize("debias,applied", [("none", True), ("reverse", False), ("rotations", False)])
+def test_a_contextual_prior_is_not_applied_to_reads_in_several_orders(debias, applied):
+    """A prior is keyed on one listing's options_sha256: under reverse or rotations it would calibrate a
+    listing and its reverse differently, so a file that carries one for those kinds is served without it."""
+    kind = FitKind("label", "state_first", debias)
+    payload = calibration_payload("a" * 64, temperature=1.0, kind=kind)
+    payload["fits"][0].update(contextual={"route": {"options_sha256": "f" * 64, "log_prior": [-0.1, -2.4]}},
+                              contextual_temperatures={"global": {"temperature": 1.0, "n": 10}, "per_decision": {}})
+    probs, record = Calibration.from_dict(payload).calibrate([1.0, 0.0], kind=kind, decision_id="route",
+                                                            options_sha256="f" * 64)
+    assert (record["method"] == "contextual+temperature") is applied
+    if not applied:
+        assert probs == pytest.approx(softmax([1.0, 0.0]).tolist())
+
+
 SINGLE = {"decision": {"id": "route", "state": "My laptop screen cracked.", "question": "Which team?",
                        "options": [{"id": "hardware"}, {"id": "network"}, {"id": "hr"}]}}
 

@@ -10,6 +10,7 @@ from semif.serving.engine.passes.orders import STOP_MARGIN_PER_READ, settled
 from semif.serving.engine.plan import PlanError, first_direction
 from semif.serving.engine.prompt import Outcome, Question
 from semif.serving.engine.readout import log_softmax
+from serving import start_cold
 
 STATES = (
     "I was charged twice for my order and I want my money back now!",
@@ -64,13 +65,23 @@ def test_the_answer_is_the_first_read_where_the_stop_rule_settles_and_both_reads
         assert len(answer.orders) == (1 if settles else 2) and set(both.orders) == {"given", "reversed"}
         lead = np.sort(log_softmax(one.option_logits))[::-1]
         assert settles == (lead[0] - lead[1] > STOP_MARGIN_PER_READ)
+        # The one read is the question listed in its first direction, read once, put back in the given order.
+        first = first_direction(question)
+        shown = Question(question.text, tuple(question.outcomes[i] for i in first))
+        alone = engine.score(state, [shown], debias="none").distributions[0].probabilities
+        back = [0.0] * len(first)
+        for position, index in enumerate(first):
+            back[index] = alone[position]
+        np.testing.assert_allclose(one.probabilities, back, rtol=0, atol=1e-9)
         outcomes.append(settles)
     # The cases drive both branches of the rule.
     assert 2 <= sum(outcomes) <= len(outcomes) - 2, outcomes
 
 
 @pytest.mark.parametrize("state,name", CASES)
-def test_a_listing_and_its_reverse_get_the_same_answer_to_the_last_bit(engine, state, name):
+def test_a_listing_and_its_reverse_get_the_same_answer_to_the_last_bit(engine, memo_off, state, name):
+    """Each listing evaluated (the memo off): both read the same prompts, and the reads are combined in the
+    first read's order, so the answers are equal, not only close."""
     question = QUESTIONS[name]
     listed, backwards = _answer(engine, state, question), _answer(engine, state, _backwards(question))
     assert listed.probabilities == backwards.probabilities[::-1]
@@ -106,15 +117,29 @@ def test_a_semif_request_reports_why_no_further_order_was_read_and_may_ask_for_b
     assert refused.status_code == 422 and "reads" in refused.text
 
 
+def test_a_semif_answer_whose_first_read_is_the_listing_reversed_is_put_back_in_the_listings_order(client):
+    question = QUESTIONS["refund"]  # "no_refund" sorts before "refund": the reversed listing is read first
+    decision = {"id": "refund", "state": STATES[0], "question": question.text,
+                "options": [{"id": o.key, "description": o.description} for o in question.outcomes]}
+    one = client.post("/v1/semif", json={"decision": decision, "reads": 1, "return_prompt": True}).json()
+    assert one["prompt"]["reads_stopped"] == "requested" and list(one["prompt"]["orders"]) == ["reversed"]
+    assert one["prompt"]["orders"]["reversed"]["order"] == ["no_refund", "refund"]
+    backwards = {**decision, "options": decision["options"][::-1]}
+    alone = client.post("/v1/semif", json={"decision": backwards, "debias": "none"}).json()
+    assert one["option_ids"] == ["refund", "no_refund"]
+    np.testing.assert_allclose(one["probabilities"], alone["probabilities"][::-1], rtol=0, atol=1e-9)
+
+
 @pytest.mark.parametrize("debias", ["reverse", "rotations"])
 def test_input_tokens_count_the_orders_read_not_the_orders_planned(engine, memo_off, debias):
     state, question = STATES[1], QUESTIONS["mood"]
     plan = engine.plan(state, [question], debias=debias)
+    start_cold(engine)
     result = engine.execute(plan)
     answer = result.distributions[0]
     assert answer.reads_stopped == "settled"
-    # The state once and each read's question segment; the orders left unread are not counted.
-    assert result.input_tokens == answer.tokens < plan.input_tokens
+    # The state once and each read's question segment; the orders left unread are neither counted nor evaluated.
+    assert result.evaluated_tokens == result.input_tokens == answer.tokens < plan.input_tokens
     if debias == "reverse":
         assert answer.tokens == plan.state_tokens + len(plan.questions[0].suffix_tokens)
     every = engine.score(state, [question], debias=debias, reads=len(question.outcomes))
@@ -132,6 +157,7 @@ def test_a_second_look_reads_the_first_direction_so_a_listing_and_its_reverse_ge
     listed = engine.score(STATES[0], [question], debias="reverse", second_look=look).distributions[0]
     backwards = engine.score(STATES[0], [_backwards(question)], debias="reverse", second_look=look).distributions[0]
     assert listed.second_look["ran"] and backwards.second_look["ran"]
+    assert listed.reads_stopped == backwards.reads_stopped is not None  # the first pass's record survives the look
     assert listed.second_look["reasoning"] == backwards.second_look["reasoning"]
     assert listed.probabilities == backwards.probabilities[::-1]
 

@@ -93,14 +93,16 @@ def main(argv=None) -> int:
                 record[name] = {"choice": ids[top], "p": probabilities[top]}
             record["label_mass"] = dist.label_mass
             if args.check_reversed:  # the debiased answer to the reversed listing, computed for real
-                back = engine.score(row["state"], [reverse], scoring=args.scoring, debias="reverse").distributions[0]
+                back = engine.score(row["state"], [reverse], scoring=args.scoring, debias="reverse",
+                                    reads=2).distributions[0]
                 rids = [k for k, _ in options[::-1]]
                 record["reverse_reversed"] = {"choice": rids[max(range(len(rids)), key=lambda i: back.probabilities[i])]}
             if index < args.latency_decisions:
                 for mode in ("none", "reverse", "none", "reverse"):  # alternated: load drifts on a shared machine
                     engine.invalidate()  # cold: each timed request evaluates its state, as a new state would
                     started = time.perf_counter()
-                    engine.score(row["state"], [given], scoring=args.scoring, debias=mode)
+                    engine.score(row["state"], [given], scoring=args.scoring, debias=mode,
+                                 **({"reads": 2} if mode == "reverse" else {}))  # both orders, as recorded above
                     record.setdefault(f"seconds_{mode}", []).append(time.perf_counter() - started)
             records.append(record)
             progress.advance(task)

@@ -75,6 +75,9 @@ def fit_kind(target, rows: list[dict], kind: FitKind, *, folds: int, seed: int, 
     if kind.debias in ("reverse", "rotations"):
         # A contextual prior is measured on one listing and applies where a request's options hash to it, so a
         # listing and its reverse would be calibrated differently; these readouts exist to answer both alike.
+        if contextual == "on":
+            print(f"semif-calibrate: {kind}: no contextual priors under debias {kind.debias} (they depend on the "
+                  "listing); --contextual on applies to the other kinds", file=sys.stderr)
         contextual = "off"
     priors = content_free_priors(target, case_rows, scoring, **options) if contextual != "off" else {}
     for case, row in zip(cases, case_rows):

@@ -109,7 +109,9 @@ def batchable(engine, plan: PromptPlan) -> bool:
         # step reads one label row per question from one shared prefix.
         and plan.injection_check is None
         and plan.second_look is None
-        and getattr(plan, "debias", "none") != "rotations"  # each read decides whether the next is read: serial
+        # Reads in several orders (each read decides whether the next is read) and their first read's order
+        # (put back in the given order by the pass): serial, whatever `reads` asked.
+        and getattr(plan, "debias", "none") not in ("rotations", "reverse")
         and all(q.reversed is None and q.temperature is None and q.own_prefix_segments is None for q in plan.questions)
     )
 

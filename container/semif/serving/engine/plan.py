@@ -294,7 +294,7 @@ class PromptPlan:
     injection_checks: tuple[QuestionPlan, ...] = ()
     debias: str = "none"
     # debias "rotations" and "reverse": how many reads each question asked for (its reads are planned up to
-    # this many), or None: read while the combined answer could still change (passes/rotations.py, the stop rule).
+    # this many), or None: read while the combined answer could still change (passes/orders.py, the stop rule).
     reads: Optional[int] = None
     # Options-first, label scoring, nothing else scored after this state (no injection check, no order
     # debiasing): the state's last block and the question suffix are evaluated as one segment. Nothing

@@ -545,7 +545,10 @@ class Calibration:
                           "reason": f"no fit for {kind} (scoring/layout/debias); this file has {known}"}
         values = list(logits)
         method = "temperature"
-        contextual = fitted.get("contextual", {}).get(decision_id) if decision_id is not None else None
+        # A contextual prior is keyed on one listing's options_sha256; under reads in several orders it would
+        # calibrate a listing and its reverse differently, so a reverse or rotations fit's priors are not used.
+        keyed = decision_id is not None and kind.debias not in ("reverse", "rotations")
+        contextual = fitted.get("contextual", {}).get(decision_id) if keyed else None
         if contextual is not None and contextual.get("options_sha256") == options_sha256 and len(contextual["log_prior"]) == len(values):
             values = apply_contextual(values, contextual["log_prior"])
             method = "contextual+temperature"

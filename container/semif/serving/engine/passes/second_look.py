@@ -222,7 +222,8 @@ def look(core: Core, plan: PromptPlan, index: int, prefix: list[list[int]], firs
         option_logits=logits, probabilities=probabilities, tokens=first.tokens, cached_tokens=first.cached_tokens,
         evaluated_tokens=first.evaluated_tokens + evaluated, scoring="label", label_token_ids=first.label_token_ids,
         labels=first.labels, prompt_text=first.prompt_text, label_mass=label_mass, label_variant_ids=variants,
-        debias=first.debias, orders=first.orders, content_free=first.content_free, compute_ms=first.compute_ms,
+        debias=first.debias, orders=first.orders, reads=first.reads, reads_stopped=first.reads_stopped,
+        unread_tokens=first.unread_tokens, content_free=first.content_free, compute_ms=first.compute_ms,
         second_look={
             "ran": True, "decided_by": "second_look", "reason": reason, "version": SECOND_LOOK_VERSION,
             "first_pass": first_pass, "reasoning": pieces.decode("utf-8", errors="replace"),
