@@ -252,6 +252,14 @@ def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_p
     assert [str(kind) for kind in calibration.fits] == [f"label/state_first/{DEFAULT_DEBIAS}"]  # the server's default
     fitted = calibration.fits[FitKind("label", "state_first", DEFAULT_DEBIAS)]
     assert fitted["global"]["n"] == 2 and set(fitted["per_decision"]) == {"route"}
+    # The default reads in several orders: a listing-keyed contextual prior would answer a listing and its reverse
+    # differently, so its fit has none; a fit of single reads (debias none) carries it.
+    assert "contextual" not in fitted
+    assert calibrate_main([str(SAMPLE_DECISIONS), "--model", str(model_path), "--limit", "2", "--folds", "2",
+                           "--min-per-decision", "2", "--contextual", "on", "--debias", "none", "--out", str(cal_path),
+                           "--n-threads", "2"]) == 0
+    calibration = Calibration.load(cal_path, served=engine.info)
+    fitted = calibration.fits[FitKind("label", "state_first", "none")]
     # contextual calibration measured on the real model's content-free answers, stored for its option set
     rows = load_sample_decisions()
     from semif.serving.engine.prompt import options_sha256
@@ -260,7 +268,7 @@ def test_the_eval_and_calibrate_clis_write_their_files(model_path, engine, tmp_p
     prior = np.exp(fitted["contextual"]["route"]["log_prior"])
     assert len(prior) == 4 and prior.sum() == pytest.approx(1.0)
     assert set(fitted["contextual_temperatures"]) == {"global", "per_decision"}
-    assert calibration.raw["fit"]["cross_validation"][f"label/state_first/{DEFAULT_DEBIAS}"]["k"] == 2
+    assert calibration.raw["fit"]["cross_validation"]["label/state_first/none"]["k"] == 2
 
 
 def test_labeled_rows_whose_strings_hold_line_separators_parse_as_one_row_each():
