@@ -34,7 +34,7 @@ from ..readout import log_softmax
 from ..results import Distribution, softmax
 from . import Answers, Core
 
-__all__ = ["STOP_MARGIN_PER_READ", "Read", "cached_of_combined", "combine", "combine_orders", "listing_name",
+__all__ = ["STOP_MARGIN_PER_READ", "Read", "cached_of_combined", "combine", "combine_orders", "combined_answer", "listing_name",
            "other_orders", "plan_orders", "read", "read_on_held_prefix", "read_with_own_prefix", "replace_with_reads",
            "settled"]
 
@@ -134,52 +134,61 @@ def read(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[in
     return Read(name, qplan, dist, memo_tokens)
 
 
-def combine(plan: PromptPlan, qplan: QuestionPlan, first: Distribution, first_memo: int,
-            reads: Sequence[Read], debias: str = "reverse", stopped: Optional[str] = None) -> tuple[Distribution, int]:
-    """The first read's answer and the other reads as one answer (combine_orders); each read's own answer
-    stays in ``orders``. The arithmetic runs in the first read's order, the same for a listing and its reverse,
-    so both get the same answer to the last bit. ``stopped``: why no further order was read ("settled": the
-    stop rule; "requested": the request's ``reads``; "all"). Returns (distribution, suffix tokens answered from
-    the memo by all reads)."""
-    every = [Read(listing_name(qplan), qplan, first, first_memo), *reads]
-    shown = list(qplan.order)
-    in_given = [r.in_given_order(r.dist.option_logits) for r in every]
-    combined_shown = combine_orders(*[[logits[index] for index in shown] for logits in in_given])
-    back = every[0].in_given_order
+def combined_answer(plan: PromptPlan, every: Sequence[Read], *, debias: str, stopped: Optional[str],
+                    **records) -> Distribution:
+    """Reads of one question (the first read first) as one answer: the mean of their log-probabilities, computed
+    in the first read's order so that listings that read the same prompts get the same answer to the last bit,
+    put back in the given order; each option keeps the label it had in the first read (the second look reads
+    them so). ``records``: the pass's own per-read record (``orders`` or ``reads``)."""
+    first = every[0]
+    shown = list(first.qplan.order)
+    combined_shown = combine_orders(*[[logits[index] for index in shown]
+                                      for logits in (r.in_given_order(r.dist.option_logits) for r in every)])
+    back = first.in_given_order
     masses = [r.dist.label_mass for r in every if r.dist.label_mass is not None]
-    orders = {}
-    for r, logits in zip(every, in_given):
-        orders[r.name] = {"order": list(r.qplan.order), "probabilities": r.in_given_order(r.dist.probabilities),
-                          "option_logits": logits, "label_mass": r.dist.label_mass, "labels": r.dist.labels,
-                          "label_token_ids": r.dist.label_token_ids}
-        if plan.return_prompt and r is not every[0]:  # the first read's text is the answer's prompt_text
-            orders[r.name]["prompt_text"] = r.dist.prompt_text
     recompute = None
     if plan.return_prompt:
         # option_logits = the mean of every read's log-probabilities, each put back in the given order by its
         # ``order`` (this record is the first read's; tools/recompute.py).
-        recompute = dict(first.recompute or {}, order=shown,
+        recompute = dict(first.dist.recompute or {}, order=shown,
                          reads=[dict(r.dist.recompute or {}, order=list(r.qplan.order)) for r in every[1:]])
-    tokens = first.tokens + sum(r.qplan.input_tokens for r in every[1:])
+    tokens = first.dist.tokens + sum(r.qplan.input_tokens for r in every[1:])
     evaluated = sum(r.dist.evaluated_tokens for r in every)
-    dist = Distribution(
+    dist = first.dist
+    return Distribution(
         recompute=recompute,
         option_logits=back(combined_shown),
         probabilities=back(softmax(combined_shown)),
         tokens=tokens,
         cached_tokens=cached_of_combined(tokens, evaluated),
         evaluated_tokens=evaluated,
-        scoring=first.scoring,
-        # Labels in the given order: the label each option had in the first read (the second look reads them so).
-        label_token_ids=back(first.label_token_ids) if first.label_token_ids else None,
-        labels=back(first.labels) if first.labels else None,
-        prompt_text=first.prompt_text,
+        scoring=dist.scoring,
+        label_token_ids=back(dist.label_token_ids) if dist.label_token_ids else None,
+        labels=back(dist.labels) if dist.labels else None,
+        prompt_text=dist.prompt_text,
         label_mass=sum(masses) / len(masses) if masses else None,
-        label_variant_ids=back(first.label_variant_ids) if first.label_variant_ids else None,
+        label_variant_ids=back(dist.label_variant_ids) if dist.label_variant_ids else None,
         debias=debias,
-        orders=orders,
         reads_stopped=stopped,
+        **records,
     )
+
+
+def combine(plan: PromptPlan, qplan: QuestionPlan, first: Distribution, first_memo: int,
+            reads: Sequence[Read], debias: str = "reverse", stopped: Optional[str] = None) -> tuple[Distribution, int]:
+    """The first read's answer and the other reads as one answer (combined_answer); each read's own answer stays
+    in ``orders``, keyed by its listing. ``stopped``: why no further order was read ("settled": the stop rule;
+    "requested": the request's ``reads``; "all"). Returns (distribution, suffix tokens answered from the memo by
+    all reads)."""
+    every = [Read(listing_name(qplan), qplan, first, first_memo), *reads]
+    orders = {}
+    for r in every:
+        orders[r.name] = {"order": list(r.qplan.order), "probabilities": r.in_given_order(r.dist.probabilities),
+                          "option_logits": r.in_given_order(r.dist.option_logits), "label_mass": r.dist.label_mass,
+                          "labels": r.dist.labels, "label_token_ids": r.dist.label_token_ids}
+        if plan.return_prompt and r is not every[0]:  # the first read's text is the answer's prompt_text
+            orders[r.name]["prompt_text"] = r.dist.prompt_text
+    dist = combined_answer(plan, every, debias=debias, stopped=stopped, orders=orders)
     return dist, sum(r.memo_tokens for r in every)
 
 

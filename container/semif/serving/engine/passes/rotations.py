@@ -18,9 +18,9 @@ import numpy as np
 
 from ..plan import PromptPlan, QuestionPlan, read_orders
 from ..readout import log_softmax
-from ..results import Distribution, softmax
+from ..results import Distribution
 from . import Answers, Core
-from .orders import STOP_MARGIN_PER_READ, Read, cached_of_combined, combine_orders, read, replace_with_reads, settled
+from .orders import STOP_MARGIN_PER_READ, Read, combined_answer, read, replace_with_reads, settled
 
 __all__ = ["STOP_MARGIN_PER_READ", "read_on_held_prefix", "read_with_own_prefix", "settled"]
 
@@ -56,44 +56,14 @@ def _read_all(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[li
 
 
 def _combine(plan: PromptPlan, reads: list[Read], stopped: str) -> Distribution:
-    first = reads[0]
-    in_given = [r.in_given_order(r.dist.option_logits) for r in reads]
-    canonical = combine_orders(*_canonical(reads, lambda r: r.dist.option_logits))
-    combined, probabilities = first.in_given_order(canonical), first.in_given_order(softmax(canonical))
-    masses = [r.dist.label_mass for r in reads if r.dist.label_mass is not None]
     records = []
-    for r, logits in zip(reads, in_given):
+    for r in reads:
         record = {"order": list(r.qplan.order), "probabilities": r.in_given_order(r.dist.probabilities),
-                  "option_logits": logits, "label_mass": r.dist.label_mass}
+                  "option_logits": r.in_given_order(r.dist.option_logits), "label_mass": r.dist.label_mass}
         if plan.return_prompt:
             record.update(labels=r.dist.labels, prompt_text=r.dist.prompt_text)
         records.append(record)
-    recompute = None
-    if plan.return_prompt:
-        # option_logits = the mean of every read's log-probabilities, each put back in the given order by its
-        # ``order`` (this record is the first read's; tools/recompute.py).
-        recompute = dict(first.dist.recompute or {}, order=list(first.qplan.order),
-                         reads=[dict(r.dist.recompute or {}, order=list(r.qplan.order)) for r in reads[1:]])
-    # Labels in the given order: the label each option had in the first read (the second look reads them so).
-    given = first.in_given_order
-    return Distribution(
-        recompute=recompute,
-        option_logits=combined,
-        probabilities=probabilities,
-        tokens=first.dist.tokens + sum(r.qplan.input_tokens for r in reads[1:]),
-        cached_tokens=cached_of_combined(first.dist.tokens + sum(r.qplan.input_tokens for r in reads[1:]),
-                                         sum(r.dist.evaluated_tokens for r in reads)),
-        evaluated_tokens=sum(r.dist.evaluated_tokens for r in reads),
-        scoring=first.dist.scoring,
-        label_token_ids=given(first.dist.label_token_ids) if first.dist.label_token_ids else None,
-        labels=given(first.dist.labels) if first.dist.labels else None,
-        prompt_text=first.dist.prompt_text,
-        label_mass=sum(masses) / len(masses) if masses else None,
-        label_variant_ids=given(first.dist.label_variant_ids) if first.dist.label_variant_ids else None,
-        debias="rotations",
-        reads=records,
-        reads_stopped=stopped,
-    )
+    return combined_answer(plan, reads, debias="rotations", stopped=stopped, reads=records)
 
 
 def _own_prefix(qplan: QuestionPlan) -> bool:
