@@ -108,7 +108,7 @@ def test_repeat_request_reuses_the_cached_prefix(client, engine, memo_off):
     client.post("/invocations", json=SINGLE)
     prompt = client.post("/invocations", json=SINGLE).json()["prompt"]
     # memo off: the repeat reuses the state prefix from the context and evaluates its question again (in
-    # both orders, under the default debiasing)
+    # every order it reads, under the default debiasing)
     _, segments = engine.prefix_segments(SINGLE["decision"]["state"])
     state_prefix = sum(len(segment) for segment in segments)
     assert prompt["cached_tokens"] == state_prefix and prompt["evaluated_tokens"] > 0

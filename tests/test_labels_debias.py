@@ -389,12 +389,17 @@ def _probabilities(path, payload):
 @pytest.mark.parametrize("path,body", [("/v1/semif", SEMIF_BODY), ("/v1/systemone", SYSTEMONE_BODY),
                                        ("/v1/decisions", OPENAI_BODY)], ids=["semif", "systemone", "openai"])
 def test_every_contract_accepts_debias_and_rejects_a_bad_value_naming_the_field(client, engine, path, body):
-    plain = client.post(path, json={**body, "debias": "none"})
-    debiased = client.post(path, json={**body, "debias": "reverse"})
+    # Listed backwards: "reverse" reads the direction whose first id sorts first (the row as ROUTE lists it), so
+    # its answer is not this listing's single read even where the stop rule answers from one read.
+    sent = _reversed_listing(path, body)
+    plain = client.post(path, json={**sent, "debias": "none"})
+    debiased = client.post(path, json={**sent, "debias": "reverse"})
     assert plain.status_code == debiased.status_code == 200, debiased.text
     expected = engine.score(STATE, [ROUTE], debias="reverse").distributions[0].probabilities
-    np.testing.assert_allclose(_probabilities(path, debiased.json()), expected, atol=1e-5)
-    assert not np.allclose(_probabilities(path, plain.json()), expected, atol=1e-6)
+    keys = [o.key for o in ROUTE.outcomes]
+    for payload, equal in ((debiased, True), (plain, False)):
+        got = _by_option(path, payload.json(), sent)
+        assert np.allclose([got[k] for k in keys], expected, atol=1e-5) is equal, (payload.json(), expected)
     bad = client.post(path, json={**body, "debias": "sideways"})
     assert 400 <= bad.status_code < 500
     assert "debias" in bad.text
@@ -423,17 +428,19 @@ def _by_option(path, payload, body) -> dict:
 
 @pytest.mark.parametrize("path,body", [("/v1/semif", SEMIF_BODY), ("/v1/systemone", SYSTEMONE_BODY),
                                        ("/v1/decisions", OPENAI_BODY)], ids=["semif", "systemone", "openai"])
-def test_a_request_that_does_not_send_debias_is_read_in_both_orders_so_either_listing_gets_one_answer(
+def test_a_request_that_does_not_send_debias_is_read_under_reverse_so_either_listing_gets_one_answer(
         client, engine, memo_off, path, body):
     """The server default (SEMIF_DEBIAS unset) is reverse: the engine's reverse answer, the same for the
-    options listed backwards, and not the single read's."""
+    options listed backwards, and not the backwards listing's single read (the first read is the direction
+    whose first id sorts first: ROUTE's listing)."""
     listed = client.post(path, json=body)
     backwards = client.post(path, json=_reversed_listing(path, body))
     assert listed.status_code == backwards.status_code == 200, backwards.text
     expected = dict(zip([o.key for o in ROUTE.outcomes],
                         engine.score(STATE, [ROUTE], debias="reverse").distributions[0].probabilities))
-    single = dict(zip([o.key for o in ROUTE.outcomes],
-                      engine.score(STATE, [ROUTE], debias="none").distributions[0].probabilities))
+    backwards_route = Question(ROUTE.text, ROUTE.outcomes[::-1])
+    single = dict(zip([o.key for o in backwards_route.outcomes],
+                      engine.score(STATE, [backwards_route], debias="none").distributions[0].probabilities))
     for payload, sent in ((listed, body), (backwards, _reversed_listing(path, body))):
         got = _by_option(path, payload.json(), sent)
         np.testing.assert_allclose([got[k] for k in expected], list(expected.values()), atol=1e-5)

@@ -47,7 +47,7 @@ def test_predicate_is_the_engines_probability_of_yes(client, engine):
     start_cold(engine)  # a cold run: the reference the cached runs must equal
     cold = engine.score(job.state_text, job.questions, debias=Settings.debias)  # as the server answers it
     assert cold.cached_tokens == 0 and cold.distributions[0].debias == Settings.debias
-    # Every input token (both orders under the default), and the content-free prompt where the default reads one.
+    # Every input token (each order read under the default), and the content-free prompt where the default reads one.
     assert cold.evaluated_tokens == cold.input_tokens + content_free_tokens(cold)
     expected = cold.distributions[0].probabilities[0]
     assert math.isclose(answer["probability"], expected, abs_tol=1e-4)

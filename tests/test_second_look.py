@@ -596,3 +596,40 @@ def test_a_model_that_cannot_drop_a_peek_reasons_without_peeks(engine, monkeypat
     asked = engine.plan(TICKET, [_question()], second_look=SecondLook(below_margin=1.0, settle_every=16))
     assert asked.second_look.settle_every == 0  # what the answer's budget.settle_every reports
     assert asked.worst_case_tokens == without.worst_case_tokens  # no peek counted
+
+
+def test_a_look_the_context_cannot_hold_stops_at_the_context_and_says_so(engine, model_path):
+    """Where the context ends before the token budget, the look reasons up to the context's end and says
+    "context"; where not one reasoning token fits, the first pass decides, and says "context" too."""
+    from semif.serving.engine.context import Engine
+    from semif.serving.engine.plan import SecondLook
+    from semif.serving.engine.prompt import SECOND_LOOK_CUE
+
+    question = _question()
+    look = SecondLook(below_margin=1.0, max_tokens=64, deadline_s=600)  # the context binds, not the deadline
+    small = Engine(model_path, n_ctx=512, n_batch=512, n_threads=2)
+    try:
+        cue = len(small._tokenize(SECOND_LOOK_CUE, special=False))
+
+        def left(words: int) -> int:
+            """The context's tokens left after the look's prompt and cue, for the state with ``words`` words added."""
+            planned = small.plan(TICKET + " word" * words, [question], debias="none", second_look=look)
+            return small.n_ctx - sum(len(s) for s in planned.prefix_segments) - len(planned.second_look_suffixes[0]) - cue
+
+        def state_leaving(room: int) -> str:
+            """A state after which the look's prompt and cue leave exactly ``room`` tokens (" word" is about one token)."""
+            words = left(0) - room
+            for near in sorted(range(max(words - 8, 0), words + 9), key=lambda w: abs(w - words)):
+                if left(near) == room:
+                    return TICKET + " word" * near
+            raise AssertionError(f"no state leaves {room} tokens")
+
+        for room in (3, 0):
+            result = small.score(state_leaving(room), [question], debias="none", second_look=look)
+            second = result.distributions[0].second_look
+            assert second["stopped"] == "context", (room, second)
+            assert second["reasoning_tokens"] == room
+            assert second["decided_by"] == ("second_look" if room else "first_pass")
+            assert second["budget"]["max_tokens"] == 64
+    finally:
+        small.close()

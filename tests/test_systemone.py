@@ -44,7 +44,7 @@ def recompute(engine, questions, state=TICKET):
     job = systemone.parse({"state": state, "questions": questions}, Limits(255, 400))
     start_cold(engine)  # a cold run: the reference the cached runs must equal
     result = engine.score(job.state_text, job.questions, debias=Settings.debias)  # as the server answers it
-    # no memo, no cache: every input token (both orders under the default) and any content-free pass's own
+    # no memo, no cache: every input token (each order read under the default) and any content-free pass's own
     assert result.cached_tokens == 0 and {d.debias for d in result.distributions} == {Settings.debias}
     assert result.evaluated_tokens == result.input_tokens + content_free_tokens(result)
     return job, result

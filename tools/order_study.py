@@ -67,6 +67,15 @@ from calibration_study import chosen_rows, group, records_so_far  # noqa: E402
 from semif.serving.engine.plan import rotation_schedule  # noqa: E402  (the schedule a request reads in)
 
 CHANGE_BUDGET = 0.02  # the share of rows whose final choice the stop rule may change
+# The allowances tried: every 0.05 up to 1, then coarser; the chosen one is the smallest within CHANGE_BUDGET.
+DELTAS = [round(0.05 * i, 2) for i in range(21)] + [1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 1e9]
+
+
+def smallest_within_budget(rules: list[dict], rows: int) -> float | None:
+    """The smallest allowance whose early stop changes at most CHANGE_BUDGET of the final choices (counted in
+    rows, not from the rounded share)."""
+    fitting = [r for r in rules if r["changed_rows"] <= CHANGE_BUDGET * rows]
+    return min(fitting, key=lambda r: r["delta"])["delta"] if fitting else None
 
 
 def log_softmax(x) -> np.ndarray:
@@ -107,7 +116,7 @@ def reverse_stop_rules(records: list[dict], first_listed: dict, by_group: dict[s
     whether it is the row's listing) alone where its margin exceeds δ (1 · margin > 1 · δ), else the pair. The
     answer is the same for the listing and its reverse, so one accuracy covers both."""
     rules = []
-    for delta in [0.0, 0.25, 0.5, 0.75, 1.0, 1e9]:
+    for delta in DELTAS:
         picks, pairs, ones, ms = [], [], [], []
         for r in records:
             listed, back = log_softmax(r["given"]), log_softmax(r["reversed"])
@@ -121,6 +130,7 @@ def reverse_stop_rules(records: list[dict], first_listed: dict, by_group: dict[s
         rules.append({"delta": delta,
                       "accuracy": round(sum(int(p == r["answer"]) for p, r in zip(picks, records)) / len(records), 3),
                       "changed_vs_pair": round(sum(a != b for a, b in zip(picks, pairs)) / len(records), 3),
+                      "changed_rows": sum(a != b for a, b in zip(picks, pairs)),
                       "one_read_share": round(sum(ones) / len(records), 3), "p50_ms": round(statistics.median(ms), 1),
                       "per_group": {g: round(sum(int(picks[i] == records[i]["answer"]) for i in ix) / len(ix), 3)
                                     for g, ix in by_group.items()}})
@@ -149,6 +159,7 @@ def summarise(records: list[dict], abstain_last: dict | None = None, content_fre
     out["reverse_pair"] = {"accuracy": round(acc([p["pair"] for p in per_row]), 3), "reads": 2}
     if first_listed is not None:
         out["reverse_stop_rules"] = reverse_stop_rules(records, first_listed, by_group)
+        out["reverse_chosen_delta"] = smallest_within_budget(out["reverse_stop_rules"], len(records))
     curve = []
     for k in range(1, 13):
         picks = [int(np.argmax(combined(p["rot"][:k]))) for p in per_row]
@@ -158,19 +169,19 @@ def summarise(records: list[dict], abstain_last: dict | None = None, content_fre
     out["all_rotations"] = {"accuracy": round(acc([p["all"] for p in per_row]), 3),
                             "mean_reads": round(statistics.mean(len(p["rot"]) for p in per_row), 2)}
     rules = []
-    for delta in [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 1e9]:
+    for delta in DELTAS:
         ks = [stop_after(p["rot"], delta) for p in per_row]
         picks = [int(np.argmax(combined(p["rot"][:k]))) for p, k in zip(per_row, ks)]
         changed = sum(pk != p["all"] for pk, p in zip(picks, per_row)) / len(per_row)
         ms = [sum(r["rotation_ms"][:k]) for r, k in zip(records, ks)]
         rules.append({"delta": delta, "accuracy": round(acc(picks), 3), "changed_vs_all": round(changed, 3),
+                      "changed_rows": sum(pk != p["all"] for pk, p in zip(picks, per_row)),
                       "mean_reads": round(statistics.mean(ks), 2), "one_read_share": round(ks.count(1) / len(ks), 3),
                       "p50_ms": round(statistics.median(ms), 1),
                       "per_group": {g: round(sum(int(picks[i] == records[i]["answer"]) for i in ix) / len(ix), 3)
                                     for g, ix in by_group.items()}})
     out["stop_rules"] = rules
-    fitting = [r for r in rules if r["changed_vs_all"] <= CHANGE_BUDGET]
-    out["chosen_delta"] = min(fitting, key=lambda r: r["delta"])["delta"] if fitting else None
+    out["chosen_delta"] = smallest_within_budget(rules, len(records))
     out["per_group"] = {g: {"n": len(ix),
                             "given": round(sum(int(per_row[i]["given"] == records[i]["answer"]) for i in ix) / len(ix), 3),
                             "reversed": round(sum(int(per_row[i]["reversed"] == records[i]["answer"]) for i in ix) / len(ix), 3),
@@ -187,7 +198,7 @@ def summarise(records: list[dict], abstain_last: dict | None = None, content_fre
         picks_all = [int(np.argmax(combined(rs))) for rs in reads]
         entry = {"marked_rows": len(covered), "accuracy": round(acc(picks_all), 3),
                  "mean_reads": round(statistics.mean(len(rs) for rs in reads), 2), "stop_rules": []}
-        for delta in [0.0, 0.25, 0.5, 1.0]:
+        for delta in DELTAS:
             ks = [stop_after(rs, delta) for rs in reads]
             picks = [int(np.argmax(combined(rs[:k]))) for rs, k in zip(reads, ks)]
             entry["stop_rules"].append({
