@@ -93,25 +93,30 @@ def test_bad_flags_are_a_usage_error_not_a_traceback(model_path):
     assert result.returncode == 2 and "unknown style" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_order_study_picks_the_smallest_allowance_whose_early_stop_changes_at_most_two_percent():
-    """reverse_stop_rules stops after the first read where its margin exceeds the allowance, counts the choices
-    that then differ from the pair's, and the chosen allowance is the smallest within 2% of the rows, counted
-    in rows rather than from a rounded share."""
+def test_order_study_picks_the_smallest_allowance_whose_early_stop_keeps_to_the_change_budget():
+    """reverse_stop_rules stops after the first read where its margin exceeds the allowance and counts the choices
+    that then differ from the pair's; the chosen allowance is the smallest whose changed share, plus one standard
+    error of it, is at most 2% of the rows."""
     study = load("order_study")
-    # 100 rows of three options, the first direction as listed. 97 are settled by any read (lead 2.0, both
-    # reads agree); in 3 the first read leads by 0.12, 0.22 and 0.42 while the pair picks the other option.
+    # 400 rows of three options, the first direction as listed. 396 are settled by any read (lead 2.0, both
+    # reads agree); in 4 the first read leads by 0.12, 0.22, 0.42 and 0.62 while the pair picks the other option.
+    leads = {396: 0.12, 397: 0.22, 398: 0.42, 399: 0.62}
     records, first_listed = [], {}
-    for i in range(100):
-        lead = {97: 0.12, 98: 0.22, 99: 0.42}.get(i, 2.0)
+    for i in range(400):
+        lead = leads.get(i, 2.0)
         given = [lead, 0.0, -5.0]
-        back = [0.0, lead + 1.0, -5.0] if i >= 97 else given
+        back = [0.0, lead + 1.0, -5.0] if i in leads else given
         records.append({"id": f"r{i}", "group": "g", "answer": 0, "given": given, "reversed": back,
                         "given_ms": 1.0, "reversed_ms": 1.0})
         first_listed[f"r{i}"] = True
-    rules = {r["delta"]: r for r in study.reverse_stop_rules(records, first_listed, {"g": list(range(100))})}
-    assert rules[0.0]["changed_rows"] == 3 and rules[0.0]["one_read_share"] == 1.0
-    assert rules[0.15]["changed_rows"] == 2 and rules[0.25]["changed_rows"] == 1 and rules[0.45]["changed_rows"] == 0
-    assert rules[0.25]["one_read_share"] == 0.98
-    assert study.smallest_within_budget(list(rules.values()), len(records)) == 0.15
-    # 2 of 99 rows is 2.02%, over the budget, though its rounded share reads 0.02.
-    assert study.smallest_within_budget(list(rules.values()), 99) == 0.25
+    rules = {r["delta"]: r for r in study.reverse_stop_rules(records, first_listed, {"g": list(range(400))})}
+    assert [rules[d]["changed_rows"] for d in (0.0, 0.15, 0.25, 0.45, 0.65)] == [4, 3, 2, 1, 0]
+    assert rules[0.25]["one_read_share"] == 0.995 and rules[0.65]["one_read_share"] == 0.99
+    # 4 of 400 (1%, standard error 0.5%) keeps to the budget; so does every larger allowance.
+    assert study.within_budget(4, 400) and study.smallest_within_budget(list(rules.values()), 400) == 0.0
+    # 2 of 120 (1.7%) is within 2% only without its standard error (1.2%); 1 of 120 keeps to it.
+    assert not study.within_budget(2, 120) and study.within_budget(1, 120)
+    # The same counts out of fewer rows: on 100, 2 changed (2% + 1.4%) is over and 1 (1% + 1%) at the budget;
+    # on 60, 1 changed (1.7% + 1.7%) is over too.
+    assert study.smallest_within_budget(list(rules.values()), 100) == 0.45
+    assert study.smallest_within_budget(list(rules.values()), 60) == 0.65

@@ -24,7 +24,8 @@ every combination below comes from the same model calls:
 - `stop_rule(δ)`: read rotations in schedule until the combined answer cannot change any more if each unread
   rotation moved the margin by at most δ against the leader (k · margin_k > (n − k) · δ, margins in mean
   log-probability), or all are read. δ is chosen as the smallest value whose early stop changes the final
-  choice in at most 2% of rows compared with reading every rotation.
+  choice in at most 2% of rows compared with reading every rotation, with one standard error of that share
+  to spare (`within_budget`); `shared_delta` is the larger of the two passes' choices, the one the server uses.
 
 With --abstain-last, the rows that mark an abstain option (`abstain_option`, data/README.md) are read once more
 in every cyclic rotation of the other options' canonical order with the abstain option kept last (n − 1 reads,
@@ -67,14 +68,21 @@ from calibration_study import chosen_rows, group, records_so_far  # noqa: E402
 from semif.serving.engine.plan import rotation_schedule  # noqa: E402  (the schedule a request reads in)
 
 CHANGE_BUDGET = 0.02  # the share of rows whose final choice the stop rule may change
-# The allowances tried: every 0.05 up to 1, then coarser; the chosen one is the smallest within CHANGE_BUDGET.
+# The allowances tried: every 0.05 up to 1, then coarser; the chosen one is the smallest within the budget.
 DELTAS = [round(0.05 * i, 2) for i in range(21)] + [1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 1e9]
 
 
+def within_budget(changed_rows: int, rows: int) -> bool:
+    """Whether a stop rule that changed ``changed_rows`` of ``rows`` final choices keeps to CHANGE_BUDGET with one
+    standard error of that share to spare: a few hundred rows measure a share of 2% to about ±1%, so a rule at
+    the budget's edge on them is as likely over it on new decisions as under it."""
+    share = changed_rows / rows
+    return share + math.sqrt(share * (1 - share) / rows) <= CHANGE_BUDGET
+
+
 def smallest_within_budget(rules: list[dict], rows: int) -> float | None:
-    """The smallest allowance whose early stop changes at most CHANGE_BUDGET of the final choices (counted in
-    rows, not from the rounded share)."""
-    fitting = [r for r in rules if r["changed_rows"] <= CHANGE_BUDGET * rows]
+    """The smallest allowance whose early stop keeps to the change budget (within_budget, counted in rows)."""
+    fitting = [r for r in rules if within_budget(r["changed_rows"], rows)]
     return min(fitting, key=lambda r: r["delta"])["delta"] if fitting else None
 
 
@@ -182,6 +190,9 @@ def summarise(records: list[dict], abstain_last: dict | None = None, content_fre
                                     for g, ix in by_group.items()}})
     out["stop_rules"] = rules
     out["chosen_delta"] = smallest_within_budget(rules, len(records))
+    if out.get("reverse_chosen_delta") is not None and out["chosen_delta"] is not None:
+        # One allowance serves both passes (passes/orders.py STOP_MARGIN_PER_READ): the larger of the two.
+        out["shared_delta"] = max(out["reverse_chosen_delta"], out["chosen_delta"])
     out["per_group"] = {g: {"n": len(ix),
                             "given": round(sum(int(per_row[i]["given"] == records[i]["answer"]) for i in ix) / len(ix), 3),
                             "reversed": round(sum(int(per_row[i]["reversed"] == records[i]["answer"]) for i in ix) / len(ix), 3),
