@@ -120,3 +120,22 @@ def test_order_study_picks_the_smallest_allowance_whose_early_stop_keeps_to_the_
     # on 60, 1 changed (1.7% + 1.7%) is over too.
     assert study.smallest_within_budget(list(rules.values()), 100) == 0.45
     assert study.smallest_within_budget(list(rules.values()), 60) == 0.65
+
+
+def test_the_served_stop_allowance_is_the_one_the_recorded_order_study_chose():
+    """STOP_MARGIN_PER_READ is the dev study's shared_delta (the larger of the two passes' picks), recomputed from
+    its recorded reads by the tool as it is now: changing the constant, the rule or the records alone fails."""
+    import math as _math
+
+    from semif.serving.engine.passes.orders import STOP_MARGIN_PER_READ
+
+    study = load("order_study")
+    out = REPO / "results" / "order-study-qwen-dev120.jsonl"
+    records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    rows = {json.loads(line)["id"]: json.loads(line) for line in (REPO / "data" / "decisions-dev.jsonl").read_text().splitlines()}
+    first_listed = {r["id"]: study._first_is_listed(rows[r["id"]]) for r in records}
+    summary = study.summarise(records, first_listed=first_listed)
+    assert summary["shared_delta"] == max(summary["reverse_chosen_delta"], summary["chosen_delta"])
+    assert _math.isclose(summary["shared_delta"], STOP_MARGIN_PER_READ)
+    recorded = json.loads(Path(str(out) + ".summary.json").read_text())
+    assert recorded["shared_delta"] == summary["shared_delta"]

@@ -41,7 +41,8 @@ so that calibration is judged by the same figures as the reads in several orders
 
 Rows are taken stratified (`--limit`, the groups of tools/calibration_study.py). Records go to --out as JSON
 Lines as they come (a rerun resumes); the summary is written beside it (`.summary.json`). Choose on the dev
-split only.
+split only, and settle the rule before a holdout run: the guard on the change budget (`within_budget`) was added
+after one.
 """
 
 from __future__ import annotations
