@@ -136,10 +136,10 @@ def reverse_stop_rules(records: list[dict], first_listed: dict, by_group: dict[s
             pairs.append(pair)
             ones.append(one)
             ms.append(first_ms if one else r["given_ms"] + r["reversed_ms"])
+        changed = sum(a != b for a, b in zip(picks, pairs))
         rules.append({"delta": delta,
                       "accuracy": round(sum(int(p == r["answer"]) for p, r in zip(picks, records)) / len(records), 3),
-                      "changed_vs_pair": round(sum(a != b for a, b in zip(picks, pairs)) / len(records), 3),
-                      "changed_rows": sum(a != b for a, b in zip(picks, pairs)),
+                      "changed_vs_pair": round(changed / len(records), 3), "changed_rows": changed,
                       "one_read_share": round(sum(ones) / len(records), 3), "p50_ms": round(statistics.median(ms), 1),
                       "per_group": {g: round(sum(int(picks[i] == records[i]["answer"]) for i in ix) / len(ix), 3)
                                     for g, ix in by_group.items()}})
@@ -181,10 +181,10 @@ def summarise(records: list[dict], abstain_last: dict | None = None, content_fre
     for delta in DELTAS:
         ks = [stop_after(p["rot"], delta) for p in per_row]
         picks = [int(np.argmax(combined(p["rot"][:k]))) for p, k in zip(per_row, ks)]
-        changed = sum(pk != p["all"] for pk, p in zip(picks, per_row)) / len(per_row)
+        changed = sum(pk != p["all"] for pk, p in zip(picks, per_row))
         ms = [sum(r["rotation_ms"][:k]) for r, k in zip(records, ks)]
-        rules.append({"delta": delta, "accuracy": round(acc(picks), 3), "changed_vs_all": round(changed, 3),
-                      "changed_rows": sum(pk != p["all"] for pk, p in zip(picks, per_row)),
+        rules.append({"delta": delta, "accuracy": round(acc(picks), 3),
+                      "changed_vs_all": round(changed / len(per_row), 3), "changed_rows": changed,
                       "mean_reads": round(statistics.mean(ks), 2), "one_read_share": round(ks.count(1) / len(ks), 3),
                       "p50_ms": round(statistics.median(ms), 1),
                       "per_group": {g: round(sum(int(picks[i] == records[i]["answer"]) for i in ix) / len(ix), 3)
