@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from semif.serving.engine.context import softmax
+from semif.serving.engine.context import shared_lead, softmax
 from semif.serving.engine.passes.orders import combine_orders
 from semif.serving.engine.plan import _tokenize_after, build_plan
 from semif.serving.engine.prompt import EMPTY_THINK, Labels, LabelSet, Outcome, PromptTemplate, Question
@@ -341,14 +341,19 @@ def test_an_options_first_recap_names_each_label_with_its_key_in_the_order_shown
     assert len({plain.sha256, keys.sha256, only.sha256}) == 3
 
 
-def test_debiasing_evaluates_the_state_once_and_one_more_question_segment(engine, memo_off):
+def test_debiasing_evaluates_the_state_once_and_the_other_order_from_where_it_differs(engine, memo_off):
+    """The second order's question block starts as the first one's (the question, the options header): that
+    lead is evaluated once; the second read evaluates only what follows it."""
     start_cold(engine)
     plain = engine.plan(STATE, [ROUTE])
     plan = engine.plan(STATE, [ROUTE], debias="reverse", reads=2)
+    first, other = plan.questions[0].suffix_tokens, plan.questions[0].reversed.suffix_tokens
+    lead = shared_lead(first, other)
+    assert engine.llm.detokenize(first[:lead]).decode().strip().startswith(f"Question: {ROUTE.text}\nOptions:")
     result = engine.execute(plan)
-    assert result.evaluated_tokens == result.input_tokens == plan.state_tokens + len(plan.questions[0].suffix_tokens) \
-        + len(plan.questions[0].reversed.suffix_tokens)
-    assert result.input_tokens > plain.input_tokens
+    assert result.input_tokens == plan.state_tokens + len(first) + len(other) > plain.input_tokens
+    assert result.evaluated_tokens == plan.state_tokens + len(first) + len(other) - lead
+    assert result.cached_tokens == lead
 
 
 def test_sequence_scoring_is_debiased_too(engine):

@@ -139,7 +139,11 @@ def test_input_tokens_count_the_orders_read_not_the_orders_planned(engine, memo_
     answer = result.distributions[0]
     assert answer.reads_stopped == "settled"
     # The state once and each read's question segment; the orders left unread are neither counted nor evaluated.
-    assert result.evaluated_tokens == result.input_tokens == answer.tokens < plan.input_tokens
+    # A later read keeps the first read's lead: those tokens are counted, and cached rather than evaluated.
+    assert result.input_tokens == answer.tokens < plan.input_tokens
+    assert result.evaluated_tokens + result.cached_tokens == result.input_tokens
+    read = len(answer.reads or ()) if debias == "rotations" else len(answer.orders)
+    assert (result.cached_tokens == 0) == (read == 1)
     if debias == "reverse":
         assert answer.tokens == plan.state_tokens + len(plan.questions[0].suffix_tokens)
     every = engine.score(state, [question], debias=debias, reads=len(question.outcomes))

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from semif.serving.engine.context import shared_lead
 from semif.serving.engine.passes.orders import combine_orders
 from semif.serving.engine.passes.rotations import STOP_MARGIN_PER_READ, settled
 from semif.serving.engine.plan import PlanError, canonical_order, read_orders, rotation_schedule
@@ -83,11 +84,14 @@ def by_id(question: Question, values) -> dict:
     return {o.key: v for o, v in zip(question.outcomes, values)}
 
 
-def test_every_read_combined_is_the_mean_log_probability_of_independent_reads_in_those_orders(engine, memo_off):
+def test_every_read_combined_is_the_mean_log_probability_of_its_reads_each_one_in_its_order(engine, memo_off):
     answer = engine.score(STATE, [ROUTE], debias="rotations", reads=4, return_prompt=True).distributions[0]
     assert answer.debias == "rotations" and answer.reads_stopped == "all" and len(answer.reads) == 4
     expected_orders = read_orders(ROUTE)
     assert [tuple(r["order"]) for r in answer.reads] == expected_orders
+    reads = [r["option_logits"] for r in answer.reads]
+    np.testing.assert_allclose(answer.option_logits, combine_orders(*reads), atol=1e-9)
+    np.testing.assert_allclose(answer.probabilities, softmax(np.mean([log_softmax(x) for x in reads], axis=0)), atol=1e-9)
     independent = []
     for order in expected_orders:  # each read as a client listing the options in that order would get it
         raw = engine.score(STATE, [listed(ROUTE, order)], debias="none").distributions[0].option_logits
@@ -95,11 +99,12 @@ def test_every_read_combined_is_the_mean_log_probability_of_independent_reads_in
         for position, original in enumerate(order):
             back[original] = raw[position]
         independent.append(back)
-    np.testing.assert_allclose(answer.option_logits, combine_orders(*independent), atol=1e-9)
-    np.testing.assert_allclose(answer.probabilities, softmax(np.mean([log_softmax(x) for x in independent], axis=0)),
-                               atol=1e-9)
-    for read, own in zip(answer.reads, independent):
-        np.testing.assert_allclose(read["option_logits"], own, atol=1e-9)
+    # The first read is exactly that; a later read takes the question's lead (its text, the options header) from
+    # the first read's evaluation, so it is the same prompt to the kernels' precision (batch shapes, flash
+    # attention), exactly reproducible from its record (test_recompute_reproduces_the_combined_logits).
+    np.testing.assert_allclose(reads[0], independent[0], atol=1e-9)
+    for read, own in zip(reads[1:], independent[1:]):
+        np.testing.assert_allclose(read, own, atol=0.25)
 
 
 @pytest.mark.parametrize("reads", [None, 1, 2, 4])
@@ -191,7 +196,10 @@ def test_the_state_is_evaluated_once_and_each_read_is_one_more_question_segment(
     engine.invalidate()
     four = engine.score(STATE, [ROUTE], debias="rotations", reads=4)
     plan = engine.plan(STATE, [ROUTE], debias="rotations", reads=4)
-    later = sum(len(r.suffix_tokens) for r in plan.questions[0].reads)
+    first = plan.questions[0].suffix_tokens
+    # Each later read evaluates its block from where it differs from the first read's (the lead is kept).
+    later = sum(len(r.suffix_tokens) - shared_lead(first, r.suffix_tokens) for r in plan.questions[0].reads)
+    assert later < sum(len(r.suffix_tokens) for r in plan.questions[0].reads)
     assert four.evaluated_tokens == one.evaluated_tokens + later
 
 

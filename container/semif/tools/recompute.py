@@ -2,7 +2,7 @@
 
     semif-recompute answer.json --model model.gguf     # an answer saved from a request with "return_prompt": true
 
-The record (docs/adapter.md, "Recomputing an answer") lists the token segments exactly as the adapter
+The record (docs/explanation/scoring.md, "Recomputing an answer") lists the token segments exactly as the adapter
 decoded them and the context settings that change a logit. This tool uses llama-cpp-python only (not the
 adapter's engine): it loads the GGUF with those settings, decodes each segment as llama_decode calls of at
 most `n_batch` tokens from the segment's first position, logits requested only where the record says, and
@@ -106,8 +106,12 @@ def decode_record(context: FreshContext, record: dict) -> dict[int, np.ndarray]:
     context.clear()
     want = set(record["logits_at"])
     rows: dict[int, np.ndarray] = {}
+    end = 0
     for segment in record["segments"]:
+        if segment["pos"] < end:  # a read in another order: it replaces what follows its shared lead
+            context.rewind(segment["pos"])
         rows.update(context.decode(segment["pos"], segment["tokens"], want))
+        end = segment["pos"] + len(segment["tokens"])
     return rows
 
 

@@ -64,6 +64,28 @@ def recompute_segments(segments: Sequence[Sequence[int]], start: int = 0) -> lis
     return out
 
 
+class _Lead(tuple):
+    """A held segment: the first ``n`` tokens of a first read's suffix, evaluated with the rest of that suffix
+    (``of``: (that suffix, n)). Equal to its tokens as a tuple, but never reused as if evaluated alone."""
+
+    of: tuple
+
+    def __new__(cls, tokens: Sequence[int], *, of: tuple):
+        self = super().__new__(cls, tokens)
+        self.of = of
+        return self
+
+
+def shared_lead(first: Sequence[int], other: Sequence[int]) -> int:
+    """How many leading tokens a read's suffix shares with the first read's (the question text, the options
+    header): at most one less than either, so that each read still evaluates its own last token."""
+    limit = min(len(first), len(other)) - 1
+    n = 0
+    while n < limit and first[n] == other[n]:
+        n += 1
+    return n
+
+
 @dataclass
 class _PrefixSnapshot:
     """The KV of one sequence holding exactly ``segments`` (llama_state_seq_get_data's bytes)."""
@@ -533,14 +555,17 @@ class Engine:
         if not (self.partial_rewind and self._lc.llama_memory_seq_rm(self._memory, SEQ, start, -1)):
             self.invalidate()
 
-    def _forward(self, segments: list[Sequence[int]], positions: list[int]) -> tuple[dict[int, np.ndarray], int, int]:
+    def _forward(self, segments: list[Sequence[int]], positions: list[int], *,
+                 hold: bool = False) -> tuple[dict[int, np.ndarray], int, int]:
         """Logits at absolute ``positions`` (all inside the last segment), reusing the longest run of
-        leading segments the context already holds. Returns (rows, reused tokens, evaluated tokens)."""
+        leading segments the context already holds. Returns (rows, reused tokens, evaluated tokens).
+        ``hold``: no logits wanted, only the context holding ``segments``; the last one is kept too when held."""
         total = sum(len(s) for s in segments)
         if total > self.n_ctx:
             raise PromptTooLong(total, self.n_ctx)
         keep = 0
-        limit = len(segments) - 1  # the segment whose logits we need is always evaluated
+        # The segment whose logits we need is always evaluated (its rows are not kept).
+        limit = len(segments) if hold else len(segments) - 1
         # Only segments the serial path evaluated are reused: a prefix decoded in a batch is evaluated again.
         while keep < min(limit, self._serial_segments) and self._segments[keep] == tuple(segments[keep]):
             keep += 1
@@ -932,24 +957,33 @@ class Engine:
             answers.distributions.append(dist)
         return answers
 
-    def _score_question(self, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]]) -> tuple[Distribution, int]:
+    def _score_question(self, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]],
+                        after: Optional[QuestionPlan] = None) -> tuple[Distribution, int]:
         """One question in the order its plan shows the outcomes; (distribution with outcomes in that
         shown order, suffix tokens answered from the memo). A question with its own prefix (options-first,
-        reversed order) is scored after that prefix instead of the plan's."""
+        reversed order) is scored after that prefix instead of the plan's. ``after``: the question's first
+        read, when this is a read in another order; their suffixes' common lead is then evaluated once
+        (``lead_of``)."""
         prefix_text = plan.prefix_text
         if qplan.own_prefix_segments is not None:
             prefix = [list(s) for s in qplan.own_prefix_segments]
             prefix_text = "".join(piece.text for piece in qplan.own_prefix_pieces or ())
         suffix = qplan.suffix_tokens
         if plan.scoring == "label":
+            lead = None
+            if (after is not None and self.partial_rewind and not plan.fuse_state_and_question
+                    and qplan.own_prefix_segments is None and after.own_prefix_segments is None):
+                first_suffix = after.suffix_tokens
+                shared = shared_lead(first_suffix, suffix)
+                lead = (first_suffix, shared) if shared else None
             # Recurrent models restart each question from a snapshot of the whole prefix: nothing to fuse.
             dist = self._score_labels(qplan, prefix, suffix, fuse=plan.fuse_state_and_question and self.partial_rewind,
-                                      record=plan.return_prompt)
+                                      record=plan.return_prompt, lead=lead)
         else:
             dist = self._score_sequence(prefix, suffix, [list(a) for a in qplan.answer_tokens], record=plan.return_prompt)
         if plan.return_prompt:
             dist.prompt_text = prefix_text + qplan.text
-        return dist, (len(suffix) if dist.evaluated_tokens == 0 else 0)
+        return dist, (len(suffix) if dist.evaluated_tokens == 0 else dist.lead_tokens)
 
 
     def _ensure_prefix(self, prefix: list[list[int]]) -> None:
@@ -967,6 +1001,32 @@ class Engine:
         for segment in prefix[len(self._segments) :]:
             self._decode(segment, set())
         self._take_snapshot()
+
+    def _hold_lead(self, prefix: list[list[int]], first_suffix: Sequence[int], n: int) -> int:
+        """Bring the context to ``prefix`` and the first ``n`` tokens of ``first_suffix`` as that suffix's own
+        evaluation left them: where it holds them already (a read in another order came before), drop what
+        followed; else hold ``prefix + [first_suffix]`` (evaluated serially, as the first read is) and drop
+        its tokens from ``n`` on. Those n cells were computed in one batch with the rest of the first read's
+        suffix, so they are the same cells whether the first read was just evaluated or answered from the
+        memo. The held lead is recorded as a ``_Lead`` segment, which ``_forward`` never reuses (it is not a
+        serial segment): only this method reads it, for the same suffix and ``n``. Returns how many tokens of
+        ``first_suffix`` it evaluated (all of them, or none)."""
+        k = len(prefix)
+        held = self._segments
+        evaluated = 0
+        if not (len(held) > k and isinstance(held[k], _Lead) and held[k].of == (tuple(first_suffix), n)
+                and self._serial_segments >= k and held[:k] == [tuple(s) for s in prefix]):
+            total = sum(len(s) for s in prefix) + len(first_suffix)
+            _, reused, _ = self._forward(prefix + [list(first_suffix)], [], hold=True)
+            evaluated = 0 if reused == total else len(first_suffix)
+            start = sum(len(s) for s in prefix)
+            if not self._lc.llama_memory_seq_rm(self._memory, SEQ, start + n, -1):
+                self.invalidate()
+                raise EngineError("the context could not drop the end of a sequence")
+            self._segments = self._segments[:k] + [_Lead(first_suffix[:n], of=(tuple(first_suffix), n))]
+        self._rewind(k + 1)
+        self._serial_segments = min(self._serial_segments, k)
+        return evaluated
 
     def _memo_key(self, prefix: list[list[int]], suffix: Sequence[int], label_ids: Sequence[int]) -> bytes:
         """``readout.tokens_key``, with the prefix hashed once per request rather than once per question: the
@@ -988,21 +1048,38 @@ class Engine:
         return held[1] + recompute_segments([suffix], start=sum(len(s) for s in prefix))
 
     def _score_labels(self, qplan: QuestionPlan, prefix: list[list[int]], suffix: list[int], *, fuse: bool = False,
-                      record: bool = False) -> Distribution:
+                      record: bool = False, lead: Optional[tuple[Sequence[int], int]] = None) -> Distribution:
         """``fuse``: evaluate the prefix's last segment and the suffix as one segment
         (PromptPlan.fuse_state_and_question); the memo keeps fused and split logits apart. ``record``:
-        attach the recompute record (the segments as decoded; a memo hit was decoded the same way)."""
+        attach the recompute record (the segments as decoded; a memo hit was decoded the same way).
+        ``lead``: (the first read's suffix, n): this read's first n suffix tokens are that suffix's, and are
+        taken from its evaluation (``_hold_lead``); only the rest is evaluated. The memo keeps such reads apart."""
         label_ids = list(qplan.label_token_ids or ())
         variants = [list(v) for v in (qplan.label_variants or [(t,) for t in label_ids])]
-        total = sum(len(s) for s in prefix) + len(suffix)
+        prefix_len = sum(len(s) for s in prefix)
+        total = prefix_len + len(suffix)
         use_memo = self.label_memo and self.prefix_cache
+        path = [] if lead is None else [-4, lead[1], *lead[0]]
         key = self._memo_key(prefix, suffix, [t for v in variants for t in v] + [-1] + [len(v) for v in variants]
-                             + ([-2] if fuse else [])) if use_memo else b""
+                             + ([-2] if fuse else []) + path) if use_memo else b""
         remembered = self._label_memo.get(key) if use_memo else None
+        lead_tokens = 0
         if remembered is not None:
             self._label_memo.move_to_end(key)
             logits, label_mass = remembered
             reused, evaluated = total, 0
+        elif lead is not None:
+            first_suffix, n = lead
+            decoded = self._decoded_tokens
+            lead_tokens = n - self._hold_lead(prefix, first_suffix, n)
+            rows = self._decode(suffix[n:], {total - 1})
+            evaluated = self._decoded_tokens - decoded
+            reused = max(0, total - evaluated)
+            logits, label_mass = label_logits(rows[total - 1], variants)
+            if use_memo:
+                self._label_memo[key] = (logits, label_mass)
+                while len(self._label_memo) > LABEL_MEMO_SIZE:
+                    self._label_memo.popitem(last=False)
         else:
             self._ensure_prefix(prefix)
             rows, reused, evaluated = self._forward(self._label_segments(prefix, suffix, fuse), [total - 1])
@@ -1014,9 +1091,14 @@ class Engine:
         temperature = qplan.temperature
         recompute = None
         if record:
-            recompute = {"scoring": "label", "settings": dict(self.numerics),
-                         "segments": (recompute_segments(self._label_segments(prefix, suffix, fuse)) if fuse
-                                      else self._record_segments(prefix, suffix)),
+            if lead is not None:  # the first read's suffix, then this read from its lead on (replacing the rest)
+                segments = (self._record_segments(prefix, lead[0])
+                            + recompute_segments([suffix[lead[1]:]], start=prefix_len + lead[1]))
+            elif fuse:
+                segments = recompute_segments(self._label_segments(prefix, suffix, fuse))
+            else:
+                segments = self._record_segments(prefix, suffix)
+            recompute = {"scoring": "label", "settings": dict(self.numerics), "segments": segments,
                          "logits_at": [total - 1], "label_variant_ids": variants}
         return Distribution(
             recompute=recompute,
@@ -1031,6 +1113,7 @@ class Engine:
             labels=list(qplan.labels or ()),
             label_mass=label_mass,
             label_variant_ids=variants,
+            lead_tokens=lead_tokens,
         )
 
     @staticmethod

@@ -76,6 +76,10 @@ class Distribution:
     # Prompt tokens of the orders planned but not read (the stop rule or the request's `reads`): the request's
     # input_tokens leave them out (Engine._execute).
     unread_tokens: int = 0
+    # A read in another order: the leading suffix tokens it took from the first read's evaluation instead of
+    # evaluating them (Engine._hold_lead), less the first read's suffix where that read had come from the memo
+    # and was evaluated again for them; the request counts them as cached.
+    lead_tokens: int = 0
 
 
 @dataclass

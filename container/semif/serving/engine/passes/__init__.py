@@ -18,9 +18,9 @@ plan as a fixed sequence, each pass adding to one ``Answers``:
 
 What a pass may use of the core (``Core`` below); underscored names are the engine package's own:
 
-- reading: ``_score_question(plan, qplan, prefix) -> (Distribution, memo suffix tokens)`` (one question in
-  the order ``qplan`` shows, after ``prefix`` or the question's own prefix), ``_score_labels(qplan, prefix,
-  suffix)``, and ``_execute(plan, cancel, started)`` (a whole plan through this sequence, e.g. the
+- reading: ``_score_question(plan, qplan, prefix, after=None) -> (Distribution, memo suffix tokens)`` (one
+  question in the order ``qplan`` shows, after ``prefix`` or the question's own prefix; ``after``: the question's
+  first read, whose suffix's lead this read shares), ``_score_labels(qplan, prefix, suffix)``, and ``_execute(plan, cancel, started)`` (a whole plan through this sequence, e.g. the
   content-free plan);
 - the context: ``_ensure_prefix``, ``_forward``, ``_decode``, ``_rewind``, ``_ends_generation``, and
   ``_decoded_tokens`` (every token the serial path decoded: what a pass stopped part-way spent);
@@ -59,7 +59,9 @@ class Answers:
 
     distributions: list["Distribution"] = field(default_factory=list)
     evaluated: int = 0  # tokens run through the model for the plan (a re-evaluated token counts each time)
-    memo_suffix_tokens: int = 0  # question suffixes answered from the label memo (counted as cached)
+    # Question suffix tokens not evaluated: answered from the label memo, or a lead shared with the first read
+    # (Distribution.lead_tokens); counted as cached.
+    memo_suffix_tokens: int = 0
     # Leading prefix tokens a pass of this request decoded before the plan's own reads reused them (the
     # template head the content-free pass shares): not reused from an earlier request, so not "cached".
     prefix_decoded_by_passes: int = 0
@@ -79,8 +81,8 @@ class Core(Protocol):
     _decoded_tokens: int
 
     def _tokenize(self, text: str, *, special: bool, add_bos: bool = False) -> list[int]: ...
-    def _score_question(self, plan: "PromptPlan", qplan: "QuestionPlan",
-                        prefix: list[list[int]]) -> tuple["Distribution", int]: ...
+    def _score_question(self, plan: "PromptPlan", qplan: "QuestionPlan", prefix: list[list[int]],
+                        after: Optional["QuestionPlan"] = None) -> tuple["Distribution", int]: ...
     def _score_labels(self, qplan: "QuestionPlan", prefix: list[list[int]], suffix: list[int], *,
                       fuse: bool = False, record: bool = False) -> "Distribution": ...
     def _execute(self, plan: "PromptPlan", cancel: Optional[Callable[[], bool]], started: float,

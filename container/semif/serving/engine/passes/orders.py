@@ -131,10 +131,12 @@ def _has_own_prefix(qplan: QuestionPlan) -> bool:
     return any(other.own_prefix_segments is not None for _, other in other_orders(qplan))
 
 
-def read(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], name: str) -> Read:
-    """The question in the order ``qplan`` shows, from the held ``prefix`` (one more question segment: the
-    state is not evaluated again), or from ``qplan``'s own prefix where it has one."""
-    dist, memo_tokens = core._score_question(plan, qplan, prefix)
+def read(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[int]], name: str,
+         first: Optional[QuestionPlan] = None) -> Read:
+    """The question in the order ``qplan`` shows, from the held ``prefix`` (the state is not evaluated again),
+    or from ``qplan``'s own prefix where it has one. ``first``: the question's
+    first read; the lead both suffixes share (the question text, the options header) is not evaluated again."""
+    dist, memo_tokens = core._score_question(plan, qplan, prefix, after=first)
     return Read(name, qplan, dist, memo_tokens)
 
 
@@ -206,7 +208,7 @@ def _read_all(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[li
         others, stopped = [], "settled"
     else:
         stopped = "all"
-    reads = [read(core, plan, other, prefix, name) for name, other in others]
+    reads = [read(core, plan, other, prefix, name, first=qplan) for name, other in others]
     dist, memo = combine(plan, qplan, first, first_memo, reads, stopped=stopped)
     dist.unread_tokens = sum(other.input_tokens for _, other in other_orders(qplan)[len(reads):])
     return dist, memo

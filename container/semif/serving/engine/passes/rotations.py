@@ -47,7 +47,7 @@ def _read_all(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[li
                                            for x in _canonical(reads, lambda r: r.dist.option_logits)], total):
             stopped = "settled"
             break
-        reads.append(read(core, plan, more, prefix, "rotation"))
+        reads.append(read(core, plan, more, prefix, "rotation", first=qplan))
     if stopped is None:
         stopped = "all" if len(reads) == total else "requested"
     dist = _combine(plan, reads, stopped)

@@ -1,0 +1,123 @@
+"""Reads in other orders share the first read's lead: the question text and the options header are the same
+tokens in every order, so a later read keeps those cells (as the first read's evaluation left them) and
+evaluates only what follows. The shared cells were computed in one batch with the rest of the first read's
+question block, so a later read is exact only if it always starts from that evaluation: these tests drive the
+paths where the first read came from the label memo, where a later read follows another later read, and where
+several questions share the state, and compare each with a cold engine."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from semif.serving.engine.context import shared_lead
+from semif.serving.engine.prompt import Outcome, Question
+from serving import start_cold
+
+ROUTE = Question(
+    "Which queue should handle this request? Read the whole message before you answer.",
+    (Outcome("account_access", "Account access support."), Outcome("billing", "Billing support."),
+     Outcome("shipping", "Delivery problems."), Outcome("other", "Anything else.")),
+)
+URGENT = Question("How urgent is it?", (Outcome("low"), Outcome("medium"), Outcome("high")), kind="scale")
+STATE = "Order 1142 arrived broken, the customer was charged twice and wants a refund before Friday."
+
+
+def _reads(result, index: int = 0) -> dict:
+    """Each read's option logits (in the given order), by listing name."""
+    dist = result.distributions[index]
+    if dist.orders:
+        return {name: read["option_logits"] for name, read in dist.orders.items()}
+    return {f"read{k}": read["option_logits"] for k, read in enumerate(dist.reads)}
+
+
+def _cold(engine, **kwargs):
+    start_cold(engine)
+    return engine.score(STATE, kwargs.pop("questions", [ROUTE]), **kwargs)
+
+
+def _assert_same(a, b, index: int = 0):
+    ra, rb = _reads(a, index), _reads(b, index)
+    assert ra.keys() == rb.keys()
+    for name in ra:
+        np.testing.assert_array_equal(ra[name], rb[name], err_msg=name)
+    np.testing.assert_array_equal(a.distributions[index].option_logits, b.distributions[index].option_logits)
+
+
+def test_the_other_order_read_after_a_memo_hit_equals_the_cold_read(engine, memo_on):
+    """The first read answered from the memo left nothing in the context: the first read's question block is
+    evaluated again (the same batches) before the lead is kept, and counted as evaluated."""
+    cold = _cold(engine, debias="reverse", reads=2)
+    plan = engine.plan(STATE, [ROUTE], debias="reverse", reads=2)
+    first, other = plan.questions[0].suffix_tokens, plan.questions[0].reversed.suffix_tokens
+    lead = shared_lead(first, other)
+    assert lead >= len(engine._tokenize(f"Question: {ROUTE.text}", special=False)) - 1
+    assert cold.evaluated_tokens == plan.state_tokens + len(first) + len(other) - lead
+
+    start_cold(engine)
+    engine.score(STATE, [ROUTE], debias="reverse", reads=1)  # the memo now holds the first read only
+    engine.invalidate()  # and the context holds nothing
+    warm = engine.score(STATE, [ROUTE], debias="reverse", reads=2)
+    _assert_same(cold, warm)
+    # The first read came from the memo; the second evaluated the state, the first block again, then its own rest.
+    assert warm.evaluated_tokens == plan.state_tokens + len(first) + len(other) - lead
+
+
+def test_a_request_right_after_the_same_one_answers_from_the_memo_and_equals_it(engine, memo_on):
+    cold = _cold(engine, debias="reverse", reads=2)
+    again = engine.score(STATE, [ROUTE], debias="reverse", reads=2)
+    assert again.evaluated_tokens == 0
+    _assert_same(cold, again)
+
+
+def test_rotations_read_each_order_from_the_same_kept_lead(engine, memo_off):
+    """Four orders: each later read keeps the lead the first read left, whichever later read came before."""
+    plan = engine.plan(STATE, [ROUTE], debias="rotations", reads=4)
+    first = plan.questions[0].suffix_tokens
+    others = [r.suffix_tokens for r in plan.questions[0].reads]
+    assert len(others) == 3
+    leads = [shared_lead(first, o) for o in others]
+    assert min(leads) > 0
+    cold = _cold(engine, debias="rotations", reads=4)
+    assert cold.evaluated_tokens == plan.state_tokens + len(first) + sum(len(o) - n for o, n in zip(others, leads))
+    # The same reads with the context already holding the state from another question: the same logits.
+    start_cold(engine)
+    engine.score(STATE, [URGENT])
+    warm = engine.score(STATE, [ROUTE], debias="rotations", reads=4)
+    _assert_same(cold, warm)
+
+
+def test_questions_sharing_a_state_each_read_their_orders_as_alone(engine, memo_off):
+    """Two questions after one state: the second question's reads start from its own first read's lead, never
+    from the first question's."""
+    both = _cold(engine, questions=[ROUTE, URGENT], debias="reverse", reads=2)
+    for index, question in enumerate((ROUTE, URGENT)):
+        start_cold(engine)
+        alone = engine.score(STATE, [question], debias="reverse", reads=2)
+        ra, rb = _reads(both, index), _reads(alone, 0)
+        for name in ra:
+            np.testing.assert_array_equal(ra[name], rb[name], err_msg=f"{question.text} {name}")
+
+
+def test_the_lead_read_is_not_the_other_order_evaluated_whole(engine, memo_off):
+    """What the test above compares could not fail if sharing changed nothing: the later read's logits differ
+    (in the kernels' last bits) from the same tokens evaluated as one block after the state."""
+    cold = _cold(engine, debias="reverse", reads=2)
+    plan = engine.plan(STATE, [ROUTE], debias="reverse", reads=2)
+    other = plan.questions[0].reversed
+    start_cold(engine)
+    prefix = [list(s) for s in plan.prefix_segments]
+    whole = engine._score_labels(other, prefix, other.suffix_tokens)
+    assert whole.evaluated_tokens == plan.state_tokens + len(other.suffix_tokens)
+    shared = [r for r in cold.distributions[0].orders.values()][1]["option_logits"]
+    back = [0.0] * len(other.order)
+    for shown, original in enumerate(other.order):
+        back[original] = whole.option_logits[shown]
+    np.testing.assert_allclose(shared, back, atol=0.5)  # the same read, to the kernels' precision ...
+    assert not np.array_equal(shared, back)  # ... but not the same computation
+
+
+def test_sequence_scoring_reads_every_order_whole(engine, memo_off):
+    """Cloze scoring reads answers after each order's block: no lead is shared there."""
+    plan = engine.plan(STATE, [ROUTE], scoring="sequence", debias="reverse", reads=2)
+    result = _cold(engine, scoring="sequence", debias="reverse", reads=2)
+    assert result.evaluated_tokens >= plan.state_tokens + 2 * len(plan.questions[0].suffix_tokens)
