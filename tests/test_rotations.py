@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semif.serving.engine.context import shared_lead
+from semif.serving.engine.context import question_lead
 from semif.serving.engine.passes.orders import combine_orders
 from semif.serving.engine.passes.rotations import STOP_MARGIN_PER_READ, settled
 from semif.serving.engine.plan import PlanError, canonical_order, read_orders, rotation_schedule
@@ -196,9 +196,9 @@ def test_the_state_is_evaluated_once_and_each_read_is_one_more_question_segment(
     engine.invalidate()
     four = engine.score(STATE, [ROUTE], debias="rotations", reads=4)
     plan = engine.plan(STATE, [ROUTE], debias="rotations", reads=4)
-    first = plan.questions[0].suffix_tokens
-    # Each later read evaluates its block from where it differs from the first read's (the lead is kept).
-    later = sum(len(r.suffix_tokens) - shared_lead(first, r.suffix_tokens) for r in plan.questions[0].reads)
+    # Each later read evaluates its block after the lead all orders share with the first read's (kept once).
+    lead = question_lead(plan.questions[0])
+    later = sum(len(r.suffix_tokens) - lead for r in plan.questions[0].reads)
     assert later < sum(len(r.suffix_tokens) for r in plan.questions[0].reads)
     assert four.evaluated_tokens == one.evaluated_tokens + later
 

@@ -86,6 +86,16 @@ def shared_lead(first: Sequence[int], other: Sequence[int]) -> int:
     return n
 
 
+def question_lead(first: QuestionPlan) -> int:
+    """The lead every later read of a question keeps from its first read: the fewest leading suffix tokens any
+    of its planned later orders shares with the first (``shared_lead``), so that one held lead serves every
+    read, in whatever order and however many the stop rule reads. A function of the plan alone."""
+    others = [o for o in (first.reversed, *first.reads) if o is not None]
+    if not others:
+        return 0
+    return min(shared_lead(first.suffix_tokens, o.suffix_tokens) for o in others)
+
+
 @dataclass
 class _PrefixSnapshot:
     """The KV of one sequence holding exactly ``segments`` (llama_state_seq_get_data's bytes)."""
@@ -974,7 +984,7 @@ class Engine:
             if (after is not None and self.partial_rewind and not plan.fuse_state_and_question
                     and qplan.own_prefix_segments is None and after.own_prefix_segments is None):
                 first_suffix = after.suffix_tokens
-                shared = shared_lead(first_suffix, suffix)
+                shared = question_lead(after)
                 lead = (first_suffix, shared) if shared else None
             # Recurrent models restart each question from a snapshot of the whole prefix: nothing to fuse.
             dist = self._score_labels(qplan, prefix, suffix, fuse=plan.fuse_state_and_question and self.partial_rewind,
@@ -1025,6 +1035,8 @@ class Engine:
                 raise EngineError("the context could not drop the end of a sequence")
             self._segments = self._segments[:k] + [_Lead(first_suffix[:n], of=(tuple(first_suffix), n))]
         self._rewind(k + 1)
+        if len(self._segments) != k + 1:  # the rewind emptied the context instead
+            raise EngineError("the context could not drop the end of a sequence")
         self._serial_segments = min(self._serial_segments, k)
         return evaluated
 

@@ -77,8 +77,8 @@ class Distribution:
     # input_tokens leave them out (Engine._execute).
     unread_tokens: int = 0
     # A read in another order: the leading suffix tokens it took from the first read's evaluation instead of
-    # evaluating them (Engine._hold_lead), less the first read's suffix where that read had come from the memo
-    # and was evaluated again for them; the request counts them as cached.
+    # evaluating them (Engine._hold_lead), less the first read's suffix where the context no longer held that
+    # evaluation (the first read came from the memo) and it was evaluated again; the request counts them as cached.
     lead_tokens: int = 0
 
 
