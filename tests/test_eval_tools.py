@@ -139,3 +139,30 @@ def test_the_served_stop_allowance_is_the_one_the_recorded_order_study_chose():
     assert _math.isclose(summary["shared_delta"], STOP_MARGIN_PER_READ)
     recorded = json.loads(Path(str(out) + ".summary.json").read_text())
     assert recorded["shared_delta"] == summary["shared_delta"]
+
+
+def test_time_per_token_recovers_each_sides_cost_per_token_and_per_request(tmp_path, capsys):
+    """Synthetic first-sight requests on an exact line per side: the fit gives back its slope and intercept, new
+    and recurring option sets apart; the first request of a state is what it reads (not the reversed one)."""
+    tool = load("time_per_token")
+    cases = []
+    for k in range(12):
+        new = k % 3 == 0
+        adapter_tokens, callo_tokens = 120 + 7 * k, 100 + 5 * k
+        cases.append({"option_set_new": new,
+                      "adapter": {"forward": {"ms": 130 + 15.0 * adapter_tokens, "evaluated_tokens": adapter_tokens},
+                                  "reversed": {"ms": 5.0, "evaluated_tokens": 0}},
+                      "callo": {"forward": {"ms": 60 + 14.5 * callo_tokens, "evaluated_tokens": callo_tokens},
+                                "reversed": {"ms": 900.0, "evaluated_tokens": 40}}})
+    path = tmp_path / "run.cases.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in cases))
+    rows = {(r["side"], r["option_set"]): r for r in tool.summarise(cases)}
+    assert set(rows) == {(s, n) for s in ("adapter", "callo") for n in ("new", "recurring")}
+    for novelty in ("new", "recurring"):
+        assert rows[("adapter", novelty)]["ms_per_token"] == 15.0 and rows[("adapter", novelty)]["ms_besides_tokens"] == 130
+        assert rows[("callo", novelty)]["ms_per_token"] == 14.5 and rows[("callo", novelty)]["ms_besides_tokens"] == 60
+    assert rows[("adapter", "new")]["n"] == 4 and rows[("adapter", "recurring")]["n"] == 8
+    assert tool.main([str(path)]) == 0
+    assert "ms/tok" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no such file"):
+        tool.main([str(tmp_path / "missing.cases.jsonl")])
