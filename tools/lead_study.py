@@ -2,7 +2,7 @@
 """Reads in other orders with and without the shared lead, on the same decisions, in one run.
 
     nice -n 5 .venv/bin/python tools/lead_study.py \\
-        --model ~/.cache/semif/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --limit 120
+        --model ~/.cache/semif/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --limit 40 --n-threads 2
 
 A read in another order shares the first read's lead (the question text and the options header are the same
 tokens in every order): the engine keeps those cells from the first read's evaluation and evaluates only what

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a side-by-side run's time goes: first-sight time against evaluated tokens, per side.
 
-    .venv/bin/python tools/time_per_token.py results/bench-callo-qwen-holdout349-reverse-stop.cases.jsonl
+    .venv/bin/python tools/time_per_token.py results/bench-callo-qwen-holdout349-shared-lead.cases.jsonl
 
 Reads a `tools/bench_callo.py` cases file (one decision per line) and, for each side (adapter, callo) and
 for decisions whose option set was new to the run and those where it recurred, prints the p50 time and p50

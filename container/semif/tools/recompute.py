@@ -5,7 +5,8 @@
 The record (docs/explanation/scoring.md, "Recomputing an answer") lists the token segments exactly as the adapter
 decoded them and the context settings that change a logit. This tool uses llama-cpp-python only (not the
 adapter's engine): it loads the GGUF with those settings, decodes each segment as llama_decode calls of at
-most `n_batch` tokens from the segment's first position, logits requested only where the record says, and
+most `n_batch` tokens from the segment's first position (a segment that starts before the previous one ended
+first drops the cells from its position on), logits requested only where the record says, and
 reads the label logits (or, for sequence scoring, the answers' mean log-probabilities). It prints the
 largest |recomputed - reported| logit per decision and exits 1 when one exceeds --tolerance.
 """

@@ -86,8 +86,8 @@ class Piece:
     special_tokens: bool
 
 
-# "reverse": each question in the given option order and its reverse, their log-probabilities averaged (one
-# more question segment per question); the direction first_direction picks is read first, and the other only
+# "reverse": each question in the given option order and its reverse, their log-probabilities averaged (the
+# other order's question block after the lead both share); the direction first_direction picks is read first, and the other only
 # while the combined answer could still change (passes/orders.py, the stop rule). "content_free": contextual calibration (Zhao et al., 2021) at run time: each
 # probability divided by the model's probability for that option when the state says nothing
 # (CONTENT_FREE_STATE), with the same question and options; that prior depends on the question, not the

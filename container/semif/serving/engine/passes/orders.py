@@ -44,7 +44,7 @@ __all__ = ["STOP_MARGIN_PER_READ", "Read", "cached_of_combined", "combine", "com
 # order, in at most 2% of decisions counting one standard error of that share (120 decisions measure a share
 # of 2% to about ±1.3%). Reverse (two orders): 0.3 changed 1.7% (2 of 120), within 2% only without its
 # standard error; 0.5 changed 0.8% (1 of 120), with 35% of decisions answered from one read. Rotations: 0.45
-# changed 0.8%. On the holdout split 0.3 changed 4.3% of choices, 0.5 0.9% (1.4% once later reads kept the lead); the standard error was counted after
+# changed 0.8%. On the holdout split 0.3 changed 4.3% of choices, 0.5 0.9% (1.4% with the shared lead); the standard error was counted after
 # that run, so the holdout informed the choice (docs/benchmarks.md). tests/test_eval_tools.py ties this value to the
 # study's recorded `shared_delta`.
 STOP_MARGIN_PER_READ = 0.5
