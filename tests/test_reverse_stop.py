@@ -10,6 +10,7 @@ from semif.serving.engine.passes.orders import STOP_MARGIN_PER_READ, settled
 from semif.serving.engine.plan import PlanError, first_direction
 from semif.serving.engine.prompt import Outcome, Question
 from semif.serving.engine.readout import log_softmax
+from semif.serving.engine.context import question_lead
 from serving import start_cold
 
 STATES = (
@@ -139,15 +140,13 @@ def test_input_tokens_count_the_orders_read_not_the_orders_planned(engine, memo_
     answer = result.distributions[0]
     assert answer.reads_stopped == "settled"
     # The state once and each read's question segment; the orders left unread are neither counted nor evaluated.
-    # A later read keeps the first read's lead: those tokens are counted, and cached rather than evaluated.
-    assert result.input_tokens == answer.tokens < plan.input_tokens
-    assert result.evaluated_tokens + result.cached_tokens == result.input_tokens
-    read = len(answer.reads or ()) if debias == "rotations" else len(answer.orders)
-    assert (result.cached_tokens == 0) == (read == 1)
+    # A later read's lead is the first read's: counted once, like the state.
+    assert result.evaluated_tokens == result.input_tokens == answer.tokens < plan.input_tokens
     if debias == "reverse":
         assert answer.tokens == plan.state_tokens + len(plan.questions[0].suffix_tokens)
     every = engine.score(state, [question], debias=debias, reads=len(question.outcomes))
-    assert every.input_tokens == every.distributions[0].tokens == plan.input_tokens
+    later = 1 if debias == "reverse" else len(question.outcomes) - 1  # the plan counts whole blocks; the answer each lead once
+    assert every.input_tokens == every.distributions[0].tokens == plan.input_tokens - later * question_lead(plan.questions[0])
 
 
 @pytest.mark.parametrize("name", ["route", "mood"])

@@ -51,21 +51,24 @@ def test_the_other_order_read_after_a_memo_hit_equals_the_cold_read(engine, memo
     first, other = plan.questions[0].suffix_tokens, plan.questions[0].reversed.suffix_tokens
     lead = shared_lead(first, other)
     assert lead >= len(engine._tokenize(f"Question: {ROUTE.text}", special=False)) - 1
-    assert cold.evaluated_tokens == plan.state_tokens + len(first) + len(other) - lead
+    assert cold.evaluated_tokens == cold.input_tokens == plan.state_tokens + len(first) + len(other) - lead
+    assert cold.cached_tokens == 0
 
     start_cold(engine)
     engine.score(STATE, [ROUTE], debias="reverse", reads=1)  # the memo now holds the first read only
     engine.invalidate()  # and the context holds nothing
     warm = engine.score(STATE, [ROUTE], debias="reverse", reads=2)
     _assert_same(cold, warm)
-    # The first read came from the memo; the second evaluated the state, the first block again, then its own rest.
-    assert warm.evaluated_tokens == plan.state_tokens + len(first) + len(other) - lead
+    # The first read came from the memo; the second evaluated the state, the first block again, then its own rest:
+    # nothing of this request was answered from a cache after all.
+    assert warm.evaluated_tokens == warm.input_tokens == plan.state_tokens + len(first) + len(other) - lead
+    assert warm.cached_tokens == 0 and warm.distributions[0].cached_tokens == 0
 
 
 def test_a_request_right_after_the_same_one_answers_from_the_memo_and_equals_it(engine, memo_on):
     cold = _cold(engine, debias="reverse", reads=2)
     again = engine.score(STATE, [ROUTE], debias="reverse", reads=2)
-    assert again.evaluated_tokens == 0
+    assert again.evaluated_tokens == 0 and again.cached_tokens == again.input_tokens == cold.input_tokens
     _assert_same(cold, again)
 
 
@@ -102,8 +105,7 @@ def test_orders_that_share_more_with_the_first_read_than_others_keep_the_one_lea
     result = engine.execute(plan)
     assert result.evaluated_tokens == plan.state_tokens + len(first.suffix_tokens) + sum(
         len(r.suffix_tokens) - lead for r in first.reads)
-    assert result.cached_tokens == lead * len(first.reads)
-    assert result.evaluated_tokens + result.cached_tokens == result.input_tokens
+    assert result.cached_tokens == 0 and result.evaluated_tokens == result.input_tokens
 
 
 def test_questions_sharing_a_state_each_read_their_orders_as_alone(engine, memo_off):

@@ -922,8 +922,9 @@ class Engine:
         injection.run(self, plan, prefix, answers, cancel)
         orders.read_with_own_prefix(self, plan, prefix, answers)
         rotations.read_with_own_prefix(self, plan, prefix, answers)
-        # What the stop rule (or a request's reads) left unread is not part of this request's prompt.
-        unread = sum(d.unread_tokens for d in answers.distributions)
+        # What the stop rule (or a request's reads) left unread is not part of this request's prompt, and a
+        # question's shared lead is part of it once.
+        unread = sum(d.unread_tokens + d.lead_tokens for d in answers.distributions)
         prior.apply(answers, priors)
         second_look_pass.run(self, plan, prefix, answers, cancel)
         injection_suspected = injection.attach(plan, answers.distributions, answers)
@@ -993,7 +994,11 @@ class Engine:
             dist = self._score_sequence(prefix, suffix, [list(a) for a in qplan.answer_tokens], record=plan.return_prompt)
         if plan.return_prompt:
             dist.prompt_text = prefix_text + qplan.text
-        return dist, (len(suffix) if dist.evaluated_tokens == 0 else dist.lead_tokens)
+        # Suffix tokens this read spared: all of them from the memo (its shared lead counted with the first read).
+        # A read that evaluated the first read's block again (the memo had answered it) takes that read's
+        # memo credit back: those tokens were evaluated for this request after all.
+        memo_tokens = len(suffix) - dist.lead_tokens if dist.evaluated_tokens == 0 else -dist.redone_tokens
+        return dist, memo_tokens
 
 
     def _ensure_prefix(self, prefix: list[list[int]]) -> None:
@@ -1075,7 +1080,7 @@ class Engine:
         key = self._memo_key(prefix, suffix, [t for v in variants for t in v] + [-1] + [len(v) for v in variants]
                              + ([-2] if fuse else []) + path) if use_memo else b""
         remembered = self._label_memo.get(key) if use_memo else None
-        lead_tokens = 0
+        redone = 0
         if remembered is not None:
             self._label_memo.move_to_end(key)
             logits, label_mass = remembered
@@ -1083,7 +1088,7 @@ class Engine:
         elif lead is not None:
             first_suffix, n = lead
             decoded = self._decoded_tokens
-            lead_tokens = n - self._hold_lead(prefix, first_suffix, n)
+            redone = self._hold_lead(prefix, first_suffix, n)
             rows = self._decode(suffix[n:], {total - 1})
             evaluated = self._decoded_tokens - decoded
             reused = max(0, total - evaluated)
@@ -1125,7 +1130,8 @@ class Engine:
             labels=list(qplan.labels or ()),
             label_mass=label_mass,
             label_variant_ids=variants,
-            lead_tokens=lead_tokens,
+            lead_tokens=lead[1] if lead is not None else 0,
+            redone_tokens=redone,
         )
 
     @staticmethod

@@ -211,7 +211,8 @@ class QuestionPlan:
 
     @property
     def input_tokens(self) -> int:
-        """Distinct prompt tokens of this question after the state prefix (both orders when debiased)."""
+        """Prompt tokens of this question after the state prefix (each order's whole block when debiased; the
+        engine counts a lead later orders share with the first once: ScoreResult.input_tokens)."""
         own = len(self.suffix_tokens) + self.own_prefix_tokens
         return (own + (self.reversed.input_tokens if self.reversed is not None else 0)
                 + sum(r.input_tokens for r in self.reads))

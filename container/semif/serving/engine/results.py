@@ -76,10 +76,13 @@ class Distribution:
     # Prompt tokens of the orders planned but not read (the stop rule or the request's `reads`): the request's
     # input_tokens leave them out (Engine._execute).
     unread_tokens: int = 0
-    # A read in another order: the leading suffix tokens it took from the first read's evaluation instead of
-    # evaluating them (Engine._hold_lead), less the first read's suffix where the context no longer held that
-    # evaluation (the first read came from the memo) and it was evaluated again; the request counts them as cached.
+    # A read in another order: the leading tokens of its question block that are the first read's (the shared
+    # lead, Engine._hold_lead); an answer read in several orders: its later reads' leads. Like the state, a
+    # request's prompt counts them once: its input_tokens and an answer's tokens leave them out.
     lead_tokens: int = 0
+    # A read in another order that evaluated the first read's block again (the context no longer held it): its
+    # length, which the request counts as evaluated, not as answered from the memo.
+    redone_tokens: int = 0
 
 
 @dataclass

@@ -59,8 +59,8 @@ class Answers:
 
     distributions: list["Distribution"] = field(default_factory=list)
     evaluated: int = 0  # tokens run through the model for the plan (a re-evaluated token counts each time)
-    # Question suffix tokens not evaluated: answered from the label memo, or a lead shared with the first read
-    # (Distribution.lead_tokens); counted as cached.
+    # Question suffix tokens answered from the label memo, counted as cached (a read that evaluated the first
+    # read's block again takes that read's credit back: Distribution.redone_tokens).
     memo_suffix_tokens: int = 0
     # Leading prefix tokens a pass of this request decoded before the plan's own reads reused them (the
     # template head the content-free pass shares): not reused from an earlier request, so not "cached".

@@ -158,7 +158,8 @@ def combined_answer(plan: PromptPlan, every: Sequence[Read], *, debias: str, sto
         # ``order`` (this record is the first read's; tools/recompute.py).
         recompute = dict(first.dist.recompute or {}, order=shown,
                          reads=[dict(r.dist.recompute or {}, order=list(r.qplan.order)) for r in every[1:]])
-    tokens = first.dist.tokens + sum(r.qplan.input_tokens for r in every[1:])
+    lead = sum(r.dist.lead_tokens for r in every[1:])  # each later read's shared lead, counted with the first read
+    tokens = first.dist.tokens + sum(r.qplan.input_tokens for r in every[1:]) - lead
     evaluated = sum(r.dist.evaluated_tokens for r in every)
     dist = first.dist
     return Distribution(
@@ -176,6 +177,7 @@ def combined_answer(plan: PromptPlan, every: Sequence[Read], *, debias: str, sto
         label_variant_ids=back(dist.label_variant_ids) if dist.label_variant_ids else None,
         debias=debias,
         reads_stopped=stopped,
+        lead_tokens=lead,
         **records,
     )
 
