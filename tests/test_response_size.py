@@ -69,8 +69,11 @@ def test_each_decisions_prompt_is_the_shared_text_and_its_own_as_one_decision_wo
         for name, text in texts.items():
             assert state not in text
             assert body["prompt"]["text"] + text == single["prompt"]["orders"][name]["prompt_text"]
-        # Each further read's record holds its own segments, not the state again.
-        assert [len(r["segments"]) for r in result["prompt"]["recompute"]["reads"]] == [1]
+        # Each further read's record holds its own segments, not the state again: the first read's question block
+        # (the source of the lead they share) and its own block from the lead on.
+        reads = result["prompt"]["recompute"]["reads"]
+        assert [len(r["segments"]) for r in reads] == [2]
+        assert reads[0]["segments"][0]["tokens"] == result["prompt"]["recompute"]["segments"][-1]["tokens"]
         assert whole["prompt"]["recompute"] == single["prompt"]["recompute"]  # made whole again: the same record
 
 
