@@ -973,8 +973,8 @@ class Engine:
         """One question in the order its plan shows the outcomes; (distribution with outcomes in that
         shown order, suffix tokens answered from the memo). A question with its own prefix (options-first,
         reversed order) is scored after that prefix instead of the plan's. ``after``: the question's first
-        read, when this is a read in another order; their suffixes' common lead is then evaluated once
-        (``lead_of``)."""
+        read, when this is a read in another order; the lead its planned orders share with that read
+        (``question_lead``) is then taken from that read's evaluation (``_hold_lead``)."""
         prefix_text = plan.prefix_text
         if qplan.own_prefix_segments is not None:
             prefix = [list(s) for s in qplan.own_prefix_segments]
