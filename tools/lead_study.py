@@ -76,14 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(os.path.expanduser(args.model), n_ctx=4096, n_threads=args.n_threads)
     sharing = context.shared_lead
 
-    def answer(row: dict, arm: str) -> dict:
+    def answer(row: dict, question: Question, arm: str) -> dict:
         context.shared_lead = sharing if arm == "shared" else (lambda first, other: 0)
         try:
             engine.invalidate()
             engine.clear_prefix_snapshots()
             engine._label_memo.clear()
-            question = Question(row["question"], tuple(Outcome(o["id"], o.get("description")) for o in row["options"]),
-                                kind="choice")
             started = time.perf_counter()
             result = engine.score(row["state"], [question], scoring="label", debias="reverse")
             ms = (time.perf_counter() - started) * 1000
@@ -101,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             arms = ("shared", "whole") if index % 2 == 0 else ("whole", "shared")
             record = {"id": row["id"], "category": row.get("category"), "answer": row["answer"]}
+            question = Question(row["question"], tuple(Outcome(o["id"], o.get("description")) for o in row["options"]),
+                                kind="choice")
             for arm in arms:
-                record[arm] = answer(row, arm)
-            plan = engine.plan(row["state"], [Question(row["question"], tuple(Outcome(o["id"], o.get("description"))
-                                                                           for o in row["options"]), kind="choice")],
-                               scoring="label", debias="reverse", reads=2)
+                record[arm] = answer(row, question, arm)
+            plan = engine.plan(row["state"], [question], scoring="label", debias="reverse", reads=2)
             q = plan.questions[0]
             record["lead"] = sharing(q.suffix_tokens, q.reversed.suffix_tokens)
             sink.write(json.dumps(record) + "\n")

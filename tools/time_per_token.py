@@ -20,11 +20,11 @@ from pathlib import Path
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """(a, b) of the least-squares line y = a + b·x."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    return my - b * mx, b
+    """(a, b) of the least-squares line y = a + b·x (all x alike: b = 0, a their mean y)."""
+    if len(set(xs)) < 2:
+        return statistics.fmean(ys), 0.0
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return intercept, slope
 
 
 def summarise(cases: list[dict]) -> list[dict]:

@@ -1031,10 +1031,9 @@ class Engine:
         evaluated = 0
         if not (len(held) > k and isinstance(held[k], _Lead) and held[k].of == (tuple(first_suffix), n)
                 and self._serial_segments >= k and held[:k] == [tuple(s) for s in prefix]):
-            total = sum(len(s) for s in prefix) + len(first_suffix)
-            _, reused, _ = self._forward(prefix + [list(first_suffix)], [], hold=True)
-            evaluated = 0 if reused == total else len(first_suffix)
             start = sum(len(s) for s in prefix)
+            _, reused, _ = self._forward(prefix + [list(first_suffix)], [], hold=True)
+            evaluated = 0 if reused == start + len(first_suffix) else len(first_suffix)
             if not self._lc.llama_memory_seq_rm(self._memory, SEQ, start + n, -1):
                 self.invalidate()
                 raise EngineError("the context could not drop the end of a sequence")
