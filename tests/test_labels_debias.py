@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from semif.serving.engine.context import shared_lead, softmax
+from semif.serving.engine.context import softmax
 from semif.serving.engine.passes.orders import combine_orders
-from semif.serving.engine.plan import _tokenize_after, build_plan
+from semif.serving.engine.plan import _tokenize_after, build_plan, shared_lead
 from semif.serving.engine.prompt import EMPTY_THINK, Labels, LabelSet, Outcome, PromptTemplate, Question
 from serving import embedded_model, gemma_model, start_cold
 

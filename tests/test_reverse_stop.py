@@ -10,7 +10,7 @@ from semif.serving.engine.passes.orders import STOP_MARGIN_PER_READ, settled
 from semif.serving.engine.plan import PlanError, first_direction
 from semif.serving.engine.prompt import Outcome, Question
 from semif.serving.engine.readout import log_softmax
-from semif.serving.engine.context import question_lead
+from semif.serving.engine.plan import question_lead
 from serving import start_cold
 
 STATES = (
@@ -145,8 +145,11 @@ def test_input_tokens_count_the_orders_read_not_the_orders_planned(engine, memo_
     if debias == "reverse":
         assert answer.tokens == plan.state_tokens + len(plan.questions[0].suffix_tokens)
     every = engine.score(state, [question], debias=debias, reads=len(question.outcomes))
-    later = 1 if debias == "reverse" else len(question.outcomes) - 1  # the plan counts whole blocks; the answer each lead once
-    assert every.input_tokens == every.distributions[0].tokens == plan.input_tokens - later * question_lead(plan.questions[0])
+    # The plan counts each later read's lead once, as the answer does: every order read, the two agree exactly.
+    lead = question_lead(plan.questions[0])
+    assert lead > 0 and all(o.lead == lead for o in (plan.questions[0].reversed, *plan.questions[0].reads) if o)
+    assert every.input_tokens == every.distributions[0].tokens == plan.input_tokens
+    assert plan.worst_case_tokens == plan.input_tokens
 
 
 @pytest.mark.parametrize("name", ["route", "mood"])

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semif.serving.engine.context import question_lead
+from semif.serving.engine.plan import question_lead
 from semif.serving.engine.passes.orders import combine_orders
 from semif.serving.engine.passes.rotations import STOP_MARGIN_PER_READ, settled
 from semif.serving.engine.plan import PlanError, canonical_order, read_orders, rotation_schedule

@@ -8,8 +8,9 @@ several questions share the state, and compare each with a cold engine."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from semif.serving.engine.context import question_lead, shared_lead
+from semif.serving.engine.plan import TokenBudgetExceeded, question_lead, shared_lead
 from semif.serving.engine.prompt import Outcome, Question
 from serving import start_cold
 
@@ -147,3 +148,35 @@ def test_sequence_scoring_reads_every_order_whole(engine, memo_off):
     orders = (plan.questions[0], plan.questions[0].reversed)
     assert result.evaluated_tokens == plan.state_tokens + sum(
         len(q.suffix_tokens) + sum(len(a) - 1 for a in q.answer_tokens) for q in orders)
+
+
+def test_the_budget_counts_each_lead_once_and_bounds_what_a_request_evaluates(engine, memo_on):
+    """The plan gives each later read its lead (QuestionPlan.lead), so the token budget admits a request whose
+    whole blocks would not fit, and what the request evaluates, cold or after a memo hit on its first read,
+    never passes the budget it was admitted under."""
+    plan = engine.plan(STATE, [ROUTE], debias="rotations", reads=4)
+    first = plan.questions[0]
+    lead = question_lead(first)
+    assert lead > 0 and [r.lead for r in first.reads] == [lead] * 3 and first.lead == 0
+    whole = plan.state_tokens + len(first.suffix_tokens) + sum(len(r.suffix_tokens) for r in first.reads)
+    assert plan.worst_case_tokens == plan.input_tokens == whole - 3 * lead
+    fits = engine.plan(STATE, [ROUTE], debias="rotations", reads=4, max_request_tokens=plan.worst_case_tokens)
+    assert fits.worst_case_tokens == plan.worst_case_tokens < whole
+    with pytest.raises(TokenBudgetExceeded):
+        engine.plan(STATE, [ROUTE], debias="rotations", reads=4, max_request_tokens=plan.worst_case_tokens - 1)
+    cold = _cold(engine, debias="rotations", reads=4)
+    assert cold.evaluated_tokens == cold.input_tokens == plan.worst_case_tokens
+    start_cold(engine)
+    engine.score(STATE, [ROUTE], debias="rotations", reads=1)  # the memo holds the first read only
+    engine.invalidate()
+    warm = engine.score(STATE, [ROUTE], debias="rotations", reads=4)
+    assert warm.evaluated_tokens <= plan.worst_case_tokens and warm.input_tokens == cold.input_tokens
+
+
+def test_orders_read_whole_plan_no_lead(engine):
+    """Cloze scoring and options-first read every order whole, and their plans count every order whole."""
+    for plan in (engine.plan(STATE, [ROUTE], scoring="sequence", debias="reverse", reads=2),
+                 engine.plan(STATE, [ROUTE], layout="options_first", debias="reverse", reads=2)):
+        assert plan.questions[0].reversed.lead == 0
+    labels = engine.plan(STATE, [ROUTE], debias="reverse", reads=2)
+    assert labels.questions[0].reversed.lead == question_lead(labels.questions[0]) > 0

@@ -76,26 +76,6 @@ class _Lead(tuple):
         return self
 
 
-def shared_lead(first: Sequence[int], other: Sequence[int]) -> int:
-    """How many leading tokens a read's suffix shares with the first read's (the question text, the options
-    header): at most one less than either, so that each read still evaluates its own last token."""
-    limit = min(len(first), len(other)) - 1
-    n = 0
-    while n < limit and first[n] == other[n]:
-        n += 1
-    return n
-
-
-def question_lead(first: QuestionPlan) -> int:
-    """The lead every later read of a question keeps from its first read: the fewest leading suffix tokens any
-    of its planned later orders shares with the first (``shared_lead``), so that one held lead serves every
-    read, in whatever order and however many the stop rule reads. A function of the plan alone."""
-    others = [o for o in (first.reversed, *first.reads) if o is not None]
-    if not others:
-        return 0
-    return min(shared_lead(first.suffix_tokens, o.suffix_tokens) for o in others)
-
-
 @dataclass
 class _PrefixSnapshot:
     """The KV of one sequence holding exactly ``segments`` (llama_state_seq_get_data's bytes)."""
@@ -922,9 +902,8 @@ class Engine:
         injection.run(self, plan, prefix, answers, cancel)
         orders.read_with_own_prefix(self, plan, prefix, answers)
         rotations.read_with_own_prefix(self, plan, prefix, answers)
-        # What the stop rule (or a request's reads) left unread is not part of this request's prompt, and a
-        # question's shared lead is part of it once.
-        unread = sum(d.unread_tokens + d.lead_tokens for d in answers.distributions)
+        # What the stop rule (or a request's reads) left unread is not part of this request's prompt.
+        unread = sum(d.unread_tokens for d in answers.distributions)
         prior.apply(answers, priors)
         second_look_pass.run(self, plan, prefix, answers, cancel)
         injection_suspected = injection.attach(plan, answers.distributions, answers)
@@ -973,8 +952,9 @@ class Engine:
         """One question in the order its plan shows the outcomes; (distribution with outcomes in that
         shown order, suffix tokens answered from the memo). A question with its own prefix (options-first,
         reversed order) is scored after that prefix instead of the plan's. ``after``: the question's first
-        read, when this is a read in another order; the lead its planned orders share with that read
-        (``question_lead``) is then taken from that read's evaluation (``_hold_lead``)."""
+        read, when this is a read in another order; the lead the plan gives it (``QuestionPlan.lead``, the lead
+        its question's planned orders share with that read) is then taken from that read's evaluation
+        (``_hold_lead``)."""
         prefix_text = plan.prefix_text
         if qplan.own_prefix_segments is not None:
             prefix = [list(s) for s in qplan.own_prefix_segments]
@@ -982,11 +962,10 @@ class Engine:
         suffix = qplan.suffix_tokens
         if plan.scoring == "label":
             lead = None
-            if (after is not None and self.partial_rewind and not plan.fuse_state_and_question
-                    and qplan.own_prefix_segments is None and after.own_prefix_segments is None):
-                first_suffix = after.suffix_tokens
-                shared = question_lead(after)
-                lead = (first_suffix, shared) if shared else None
+            if qplan.lead:  # planned only where the context rewinds partially and both reads follow the state
+                if after is None or not self.partial_rewind:
+                    raise EngineError("a read that keeps its first read's lead needs that read and partial rewinds")
+                lead = (after.suffix_tokens, qplan.lead)
             # Recurrent models restart each question from a snapshot of the whole prefix: nothing to fuse.
             dist = self._score_labels(qplan, prefix, suffix, fuse=plan.fuse_state_and_question and self.partial_rewind,
                                       record=plan.return_prompt, lead=lead)

@@ -188,6 +188,10 @@ class QuestionPlan:
     # template head of a state-first injection check): evaluated once per request, so counted once.
     own_prefix_held: int = 0
     temperature: Optional[float] = None  # a native decision model's own (semif/serving/engine/native.py); None: 1
+    # A read in another order (``reversed``, ``reads``): its leading suffix tokens held from the question's first
+    # read (question_lead; the question text, the options header), not evaluated again, so not counted again.
+    # 0 where each order is read whole (cloze scoring, options-first, models that cannot rewind partially).
+    lead: int = 0
 
     @property
     def suffix_tokens(self) -> list[int]:
@@ -200,7 +204,7 @@ class QuestionPlan:
     @property
     def worst_case_tokens(self) -> int:
         """Tokens this question evaluates after the state prefix when nothing of it is cached."""
-        own = (len(self.suffix_tokens) + sum(len(a) for a in self.answer_tokens) + self.own_prefix_tokens
+        own = (len(self.suffix_tokens) - self.lead + sum(len(a) for a in self.answer_tokens) + self.own_prefix_tokens
                - self.own_prefix_held)
         return (own + (self.reversed.worst_case_tokens if self.reversed is not None else 0)
                 + sum(r.worst_case_tokens for r in self.reads))
@@ -211,9 +215,9 @@ class QuestionPlan:
 
     @property
     def input_tokens(self) -> int:
-        """Prompt tokens of this question after the state prefix (each order's whole block when debiased; the
-        engine counts a lead later orders share with the first once: ScoreResult.input_tokens)."""
-        own = len(self.suffix_tokens) + self.own_prefix_tokens
+        """Prompt tokens of this question after the state prefix: each order it may be read in, the lead later
+        orders share with the first counted once (``lead``)."""
+        own = len(self.suffix_tokens) - self.lead + self.own_prefix_tokens
         return (own + (self.reversed.input_tokens if self.reversed is not None else 0)
                 + sum(r.input_tokens for r in self.reads))
 
@@ -505,6 +509,35 @@ def answer_tokens_in_context(
     return tuple(tokens) + (end_token,)
 
 
+def shared_lead(first: Sequence[int], other: Sequence[int]) -> int:
+    """How many leading tokens a read's suffix shares with the first read's (the question text, the options
+    header): at most one less than either, so that each read still evaluates its own last token."""
+    limit = min(len(first), len(other)) - 1
+    n = 0
+    while n < limit and first[n] == other[n]:
+        n += 1
+    return n
+
+
+def question_lead(first: QuestionPlan) -> int:
+    """The lead every later read of a question keeps from its first read: the fewest leading suffix tokens any
+    of its planned later orders shares with the first (``shared_lead``), so that one held lead serves every
+    read, in whatever order and however many the stop rule reads."""
+    others = [o for o in (first.reversed, *first.reads) if o is not None]
+    if not others:
+        return 0
+    return min(shared_lead(first.suffix_tokens, o.suffix_tokens) for o in others)
+
+
+def with_lead(first: QuestionPlan) -> QuestionPlan:
+    """``first`` with each later read's ``lead`` set to the question's (question_lead)."""
+    lead = question_lead(first)
+    if not lead:
+        return first
+    return replace(first, reversed=replace(first.reversed, lead=lead) if first.reversed is not None else None,
+                   reads=tuple(replace(r, lead=lead) for r in first.reads))
+
+
 def build_plan(
     *,
     template: PromptTemplate,
@@ -726,6 +759,9 @@ def build_plan(
                 r_plan = replace(plan_question(question, field, name, first[::-1], r_before, r_moved),
                                  own_prefix_pieces=r_pieces, own_prefix_segments=tuple(r_segments))
                 plan = replace(plan, reversed=r_plan)
+        if scoring == "label" and layout == "state_first" and partial_rewind:
+            # Later reads keep the first read's lead (Engine._hold_lead): it is evaluated, and counted, once.
+            plan = with_lead(plan)
         suffix_len = max(len(p.suffix_tokens) + max((len(a) for a in p.answer_tokens), default=0)
                          for p in (plan, plan.reversed, *plan.reads) if p is not None)
         need = prefix_len + suffix_len

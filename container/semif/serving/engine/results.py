@@ -78,7 +78,8 @@ class Distribution:
     unread_tokens: int = 0
     # A read in another order: the leading tokens of its question block that are the first read's (the shared
     # lead, Engine._hold_lead); an answer read in several orders: its later reads' leads. Like the state, a
-    # request's prompt counts them once: its input_tokens and an answer's tokens leave them out.
+    # request's prompt counts them once, as its plan does (QuestionPlan.lead): its input_tokens and an answer's
+    # tokens leave them out.
     lead_tokens: int = 0
     # A read in another order that evaluated the first read's block again (the context no longer held it): its
     # length, which the request counts as evaluated, not as answered from the memo.

@@ -159,7 +159,7 @@ def combined_answer(plan: PromptPlan, every: Sequence[Read], *, debias: str, sto
         recompute = dict(first.dist.recompute or {}, order=shown,
                          reads=[dict(r.dist.recompute or {}, order=list(r.qplan.order)) for r in every[1:]])
     lead = sum(r.dist.lead_tokens for r in every[1:])  # each later read's shared lead, counted with the first read
-    tokens = first.dist.tokens + sum(r.qplan.input_tokens for r in every[1:]) - lead
+    tokens = first.dist.tokens + sum(r.qplan.input_tokens for r in every[1:])  # input_tokens leaves the lead out
     evaluated = sum(r.dist.evaluated_tokens for r in every)
     dist = first.dist
     return Distribution(
