@@ -341,6 +341,22 @@ def test_an_options_first_recap_names_each_label_with_its_key_in_the_order_shown
     assert len({plain.sha256, keys.sha256, only.sha256}) == 3
 
 
+def test_a_reply_line_in_the_lead_comes_right_after_the_question_in_every_order():
+    """The evaluation style ``reply_at="lead"`` (template_eval.py, v3-reply-lead): the reply line after the
+    question, before the options, so a later order's block starts with it; hashed apart from v3."""
+    from dataclasses import replace
+
+    from semif.serving.engine.prompt import STYLES, render_question_block
+
+    question = Question("Which queue?", (Outcome("billing", "Charges"), Outcome("access", "Sign in")))
+    style = replace(STYLES["v3"], reply_at="lead")
+    for order in ([0, 1], [1, 0]):
+        block = render_question_block(question, ["A", "B"], order, style)
+        assert block.startswith("Question: Which queue?\nReply with one letter: A, B.\nOptions:\nA. ")
+    assert render_question_block(question, ["A", "B"], None, STYLES["v3"]).endswith("B. Sign in\nReply with one letter: A, B.")
+    assert PromptTemplate(None, variant=style).sha256 != PromptTemplate(None, variant="v3").sha256
+
+
 def test_debiasing_evaluates_the_state_once_and_the_other_order_from_where_it_differs(engine, memo_off):
     """The second order's question block starts as the first one's (the question, the options header): that
     lead is evaluated once; the second read evaluates only what follows it."""

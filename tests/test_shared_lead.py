@@ -7,10 +7,12 @@ several questions share the state, and compare each with a cold engine."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from semif.serving.engine.plan import TokenBudgetExceeded, question_lead, shared_lead
+from semif.serving.engine.plan import EngineError, question_lead, shared_lead
 from semif.serving.engine.prompt import Outcome, Question
 from serving import start_cold
 
@@ -160,23 +162,46 @@ def test_the_budget_counts_each_lead_once_and_bounds_what_a_request_evaluates(en
     assert lead > 0 and [r.lead for r in first.reads] == [lead] * 3 and first.lead == 0
     whole = plan.state_tokens + len(first.suffix_tokens) + sum(len(r.suffix_tokens) for r in first.reads)
     assert plan.worst_case_tokens == plan.input_tokens == whole - 3 * lead
-    fits = engine.plan(STATE, [ROUTE], debias="rotations", reads=4, max_request_tokens=plan.worst_case_tokens)
-    assert fits.worst_case_tokens == plan.worst_case_tokens < whole
-    with pytest.raises(TokenBudgetExceeded):
-        engine.plan(STATE, [ROUTE], debias="rotations", reads=4, max_request_tokens=plan.worst_case_tokens - 1)
+    # Admitted under a budget the whole blocks would pass.
+    engine.plan(STATE, [ROUTE], debias="rotations", reads=4, max_request_tokens=whole - 1)
     cold = _cold(engine, debias="rotations", reads=4)
     assert cold.evaluated_tokens == cold.input_tokens == plan.worst_case_tokens
     start_cold(engine)
     engine.score(STATE, [ROUTE], debias="rotations", reads=1)  # the memo holds the first read only
     engine.invalidate()
     warm = engine.score(STATE, [ROUTE], debias="rotations", reads=4)
-    assert warm.evaluated_tokens <= plan.worst_case_tokens and warm.input_tokens == cold.input_tokens
+    # The first read from the memo, its block evaluated again for the lead: exactly the budget, never more.
+    assert warm.evaluated_tokens == plan.worst_case_tokens and warm.input_tokens == cold.input_tokens
 
 
-def test_orders_read_whole_plan_no_lead(engine):
-    """Cloze scoring and options-first read every order whole, and their plans count every order whole."""
+def test_orders_read_whole_plan_no_lead(engine, memo_off, monkeypatch):
+    """Cloze scoring, options-first and models that cannot drop a sequence's tail read every order whole, and
+    their plans count every order whole."""
     for plan in (engine.plan(STATE, [ROUTE], scoring="sequence", debias="reverse", reads=2),
                  engine.plan(STATE, [ROUTE], layout="options_first", debias="reverse", reads=2)):
         assert plan.questions[0].reversed.lead == 0
     labels = engine.plan(STATE, [ROUTE], debias="reverse", reads=2)
     assert labels.questions[0].reversed.lead == question_lead(labels.questions[0]) > 0
+    shared = _cold(engine, debias="reverse", reads=2)
+    monkeypatch.setattr(engine, "partial_rewind", False)
+    whole = engine.plan(STATE, [ROUTE], debias="reverse", reads=2)
+    first = whole.questions[0]
+    assert first.reversed.lead == 0
+    assert whole.worst_case_tokens == whole.state_tokens + len(first.suffix_tokens) + len(first.reversed.suffix_tokens)
+    start_cold(engine)
+    result = engine.execute(whole)
+    assert result.input_tokens == whole.worst_case_tokens
+    # The same reads from other cells: equal to the kernels' precision.
+    np.testing.assert_allclose(result.distributions[0].option_logits, shared.distributions[0].option_logits, atol=0.25)
+    start_cold(engine)  # no snapshot of this mode left for the tests after it
+
+
+def test_a_plan_whose_lead_is_not_shared_is_refused(engine, memo_off):
+    """The engine keeps a lead only where the later read's block starts with the first read's tokens."""
+    plan = engine.plan(STATE, [ROUTE], debias="reverse", reads=2)
+    first = plan.questions[0]
+    wrong = replace(first, reversed=replace(first.reversed, lead=len(first.reversed.suffix_tokens)))
+    start_cold(engine)
+    with pytest.raises(EngineError, match="does not share it"):
+        engine.execute(replace(plan, questions=(wrong,)))
+    assert engine.score(STATE, [ROUTE], debias="reverse", reads=2).input_tokens == plan.input_tokens

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.progress import Progress
 
-    from semif.serving.engine import context
+    from semif.serving.engine import plan as planning
     from semif.serving.engine.context import Engine
     from semif.serving.engine.prompt import Outcome, Question
 
@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     done = records_so_far(out)
     engine = Engine(os.path.expanduser(args.model), n_ctx=4096, n_threads=args.n_threads)
-    sharing = context.shared_lead
+    sharing = planning.shared_lead  # the plan decides each later read's lead (QuestionPlan.lead)
 
     def answer(row: dict, question: Question, arm: str) -> dict:
-        context.shared_lead = sharing if arm == "shared" else (lambda first, other: 0)
+        planning.shared_lead = sharing if arm == "shared" else (lambda first, other: 0)
         try:
             engine.invalidate()
             engine.clear_prefix_snapshots()
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             result = engine.score(row["state"], [question], scoring="label", debias="reverse")
             ms = (time.perf_counter() - started) * 1000
         finally:
-            context.shared_lead = sharing
+            planning.shared_lead = sharing
         dist = result.distributions[0]
         choice = row["options"][max(range(len(dist.probabilities)), key=dist.probabilities.__getitem__)]["id"]
         return {"choice": choice, "ms": round(ms, 1), "evaluated_tokens": result.evaluated_tokens,

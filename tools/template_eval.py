@@ -10,7 +10,7 @@ per request: all of them and those after the template head (what a request evalu
 and the state is new). Decisions go row by row through every style, so a run stopped early still compares
 the styles on the same decisions.
 
-usage: python tools/template_eval.py MODEL.gguf [--data FILE] [--limit N] [--styles a,b,...] [--json OUT]
+usage: python tools/template_eval.py MODEL.gguf [--data FILE] [--limit N | --stratified N] [--styles a,b,...] [--json OUT]
        python tools/template_eval.py --summarise REPORT.json     # a stored report's figures again, from its records
 
 The "content-free" columns are what `debias: content_free` answers: each order's
@@ -42,6 +42,7 @@ STYLES = {
     "v3": (V3, "state_first"),
     "v3-key": (replace(V3, option_text="key_description"), "state_first"),
     "v3-noreply": (replace(V3, reply="none"), "state_first"),
+    "v3-reply-lead": (replace(V3, reply_at="lead"), "state_first"),
     "v3-range": (replace(V3, reply="range"), "state_first"),
     "v3-v2system": (replace(V3, system=P.SYSTEM_TEXT), "state_first"),
     "v3-restate": (replace(V3, restate=True), "state_first"),
@@ -64,7 +65,11 @@ def main() -> None:
     parser.add_argument("--summarise", type=Path, default=None, metavar="REPORT",
                         help="print (and store in REPORT) the figures of a stored report, from its records")
     parser.add_argument("--data", type=Path, default=REPO / "data" / "decisions-dev.jsonl")
-    parser.add_argument("--limit", type=int, default=None, help="the first N decisions of the file")
+    rows_from = parser.add_mutually_exclusive_group()
+    rows_from.add_argument("--limit", type=int, default=None, help="the first N decisions of the file")
+    rows_from.add_argument("--stratified", type=int, default=None, metavar="N",
+                        help="the N decisions the dev studies read, taken in turn from their four groups "
+                             "(tools/calibration_study.py), instead of the file's first ones")
     parser.add_argument("--styles", default="v2,v3", help=f"comma-separated, of {', '.join(STYLES)}")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None, help="every decision's probabilities per style")
@@ -79,7 +84,12 @@ def main() -> None:
         parser.error(f"unknown style(s) {', '.join(unknown)}; known: {', '.join(STYLES)}")
     if not args.model.is_file():
         parser.error(f"{args.model}: no such file")
-    rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()][: args.limit]
+    if args.stratified is not None:
+        sys.path.insert(0, str(REPO / "tools"))
+        from calibration_study import chosen_rows
+        rows = chosen_rows(args.data, args.stratified)[0]
+    else:
+        rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()][: args.limit]
 
     engine = Engine(str(args.model), n_ctx=4096, n_threads=args.threads)
     base = engine.template
@@ -123,8 +133,11 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "model": engine.info["file"], "model_sha256": engine.info["sha256"], "data": str(args.data),
+            "rows": f"stratified {args.stratified}" if args.stratified is not None else f"first {len(rows)}",
             "decisions": len(rows), "elapsed_s": round(time.time() - started, 1),
-            "styles": {n: {"version": STYLES[n][0].version, "layout": STYLES[n][1]} for n in names},
+            # A variant keeps its version name; its template hash tells it apart.
+            "styles": {n: {"version": STYLES[n][0].version, "layout": STYLES[n][1], "template_sha256": templates[n].sha256}
+                       for n in names},
             "summary": summary, "records": records}, indent=1) + "\n")
 
 

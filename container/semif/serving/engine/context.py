@@ -963,9 +963,11 @@ class Engine:
         if plan.scoring == "label":
             lead = None
             if qplan.lead:  # planned only where the context rewinds partially and both reads follow the state
-                if after is None or not self.partial_rewind:
-                    raise EngineError("a read that keeps its first read's lead needs that read and partial rewinds")
-                lead = (after.suffix_tokens, qplan.lead)
+                first_suffix = None if after is None else after.suffix_tokens
+                if (not self.partial_rewind or first_suffix is None or qplan.lead >= min(len(suffix), len(first_suffix))
+                        or first_suffix[:qplan.lead] != suffix[:qplan.lead]):
+                    raise EngineError("a read planned to keep its first read's lead does not share it")
+                lead = (first_suffix, qplan.lead)
             # Recurrent models restart each question from a snapshot of the whole prefix: nothing to fuse.
             dist = self._score_labels(qplan, prefix, suffix, fuse=plan.fuse_state_and_question and self.partial_rewind,
                                       record=plan.return_prompt, lead=lead)

@@ -346,8 +346,8 @@ class PromptPlan:
 
     @property
     def input_tokens(self) -> int:
-        """Distinct prompt tokens: the shared prefix once plus every question's suffix (both orders when
-        debiased, and the injection check's)."""
+        """Distinct prompt tokens: the shared prefix once plus every question's suffix (every order it may be
+        read in when debiased, each later order after its shared lead; and the injection check's)."""
         return self.state_tokens + sum(q.input_tokens for q in self._all_questions)
 
     @property
@@ -564,7 +564,7 @@ def build_plan(
     reads: Optional[int] = None,
     end_of_turn_token: Optional[int] = None,
     injection_check_field: str = "injection_check",
-    partial_rewind: bool = True,
+    partial_rewind: bool = False,
 ) -> PromptPlan:
     """``layout``: "state_first" (the default) or "options_first" (single-question requests only: a plan
     with several questions is refused with a PlanError naming ``layout_field``; contracts and the HTTP
@@ -577,7 +577,9 @@ def build_plan(
     The token budget (``max_request_tokens``) is checked for the request without its injection checks first
     (naming ``budget_field``), then as each check is planned (naming ``injection_check_field``: the request
     fits without them). ``partial_rewind``: whether the context keeps a prefix's leading segments when it
-    drops the rest (the engine's), so that a check's own prefix reuses the template head the request evaluated."""
+    drops the rest (the engine's), so that a check's own prefix reuses the template head the request evaluated
+    and a later read keeps its first read's lead (QuestionPlan.lead); False (the default) plans neither, which
+    counts more tokens, never fewer."""
     fields = list(question_fields) if question_fields is not None else [f"questions[{i}]" for i in range(len(questions))]
     names = list(question_names) if question_names is not None else [str(i) for i in range(len(questions))]
     if layout not in LAYOUTS:

@@ -108,6 +108,8 @@ class Style:
     best option."), ``labels`` ("Reply with one letter: A, B, C, D."), or ``none`` (the system text says it).
     ``recap``: what options-first writes after the state besides the reply line: ``none``, ``question``
     (the question again), or ``question_keys`` (the question, and each label with its option's key).
+    ``reply_at``: where a choice's or scale's reply line goes: ``end`` (after the options) or ``lead`` (right
+    after the question, so that every order's block starts with it).
     """
 
     version: str
@@ -119,6 +121,7 @@ class Style:
     # Fields added after v3 carry HASHED_WHEN_SET: the template hash names them only when they differ from
     # their default, so a template that does not use one keeps its hash (and its calibration files).
     recap: Literal["none", "question", "question_keys"] = field(default="none", metadata={HASHED_WHEN_SET: True})
+    reply_at: Literal["end", "lead"] = field(default="end", metadata={HASHED_WHEN_SET: True})
 
 
 def _style_repr(style: Style) -> str:
@@ -327,7 +330,9 @@ def render_question_block(question: Question, labels: Optional[Sequence[str]],
     else:
         lines.extend(_option_line(label, o, style) for label, o in zip(labels, shown))
         reply = _reply_line(list(labels[: len(shown)]), style)
-        if reply:
+        if reply and style.reply_at == "lead":
+            lines.insert(1, reply)
+        elif reply:
             lines.append(reply)
     return "\n".join(lines)
 

@@ -121,6 +121,7 @@ def plan_orders(build: Callable[..., PromptPlan], *, max_request_tokens: Optiona
             blamed = TokenBudgetExceeded(over.tokens, over.budget, field=budget_field if by_default else "debias")
             counted = ("each question in both option orders" if debias == "reverse" else
                        "each question in every order it may be read in")
+            counted += " (each later order after the lead it shares with the first)"
             blamed.args = (f"{over}; with debias {debias!r}{' (the server default)' if by_default else ''} that "
                            f"counts {counted}: send reads 1 (SemIf) or debias 'none' to read each question once",)
             raise blamed from None
@@ -135,7 +136,7 @@ def read(core: Core, plan: PromptPlan, qplan: QuestionPlan, prefix: list[list[in
          first: Optional[QuestionPlan] = None) -> Read:
     """The question in the order ``qplan`` shows, from the held ``prefix`` (the state is not evaluated again),
     or from ``qplan``'s own prefix where it has one. ``first``: the question's
-    first read; the lead both suffixes share (the question text, the options header) is not evaluated again."""
+    first read; ``qplan.lead`` (the question text, the options header) is kept from it, not evaluated again."""
     dist, memo_tokens = core._score_question(plan, qplan, prefix, after=first)
     return Read(name, qplan, dist, memo_tokens)
 
@@ -158,7 +159,6 @@ def combined_answer(plan: PromptPlan, every: Sequence[Read], *, debias: str, sto
         # ``order`` (this record is the first read's; tools/recompute.py).
         recompute = dict(first.dist.recompute or {}, order=shown,
                          reads=[dict(r.dist.recompute or {}, order=list(r.qplan.order)) for r in every[1:]])
-    lead = sum(r.dist.lead_tokens for r in every[1:])  # each later read's shared lead, counted with the first read
     tokens = first.dist.tokens + sum(r.qplan.input_tokens for r in every[1:])  # input_tokens leaves the lead out
     evaluated = sum(r.dist.evaluated_tokens for r in every)
     dist = first.dist
@@ -177,7 +177,6 @@ def combined_answer(plan: PromptPlan, every: Sequence[Read], *, debias: str, sto
         label_variant_ids=back(dist.label_variant_ids) if dist.label_variant_ids else None,
         debias=debias,
         reads_stopped=stopped,
-        lead_tokens=lead,
         **records,
     )
 
