@@ -46,6 +46,25 @@ def test_template_eval_counts_accuracy_stability_and_the_mean_of_orders():
     assert summary["calibrated_mean"] == pytest.approx(1.0)
     assert summary["after_head_tokens"] == pytest.approx(60.0)
     assert summary["per_category"] == {"a": 1.0, "b": 0.0}
+    assert "reverse_stop_rule" not in summary  # records from before the first direction was kept
+
+
+def test_template_eval_reports_the_served_readout_with_its_stop_rule():
+    """debias "reverse": the mean of both orders' log-probabilities, and the first direction alone where its
+    margin passes the stop rule's allowance (0.5)."""
+    tool = load("template_eval")
+    records = [
+        # the first direction (the listing) settles on option 0 (log 0.9 - log 0.1 > 0.5), though both reads pick 1
+        {"style": "s", "category": "a", "gold_index": 0, "first_listed": True,
+         "forward": _side([0.9, 0.1]), "reversed": _side([0.001, 0.999])},
+        # the first direction is the reverse listing and does not settle (log 0.55 - log 0.45 < 0.5): both read
+        {"style": "s", "category": "a", "gold_index": 1, "first_listed": False,
+         "forward": _side([0.2, 0.8]), "reversed": _side([0.55, 0.45])},
+    ]
+    summary = tool.summarise(records, ["s"], {"s": 40})["s"]
+    assert summary["reverse_both_reads"] == pytest.approx(1 / 2)
+    assert summary["reverse_stop_rule"] == pytest.approx(1.0)
+    assert summary["reverse_one_read_share"] == pytest.approx(1 / 2)
 
 
 def test_second_look_eval_counts_flips_and_served_time():

@@ -3,8 +3,10 @@
 
 For each labeled decision and each style (a template version, or one change to it), the engine scores the
 question with the options as written and reversed. Per style it reports accuracy both ways, order stability
-(the same option chosen both ways), the accuracy of the mean of both orders (what `debias: reverse` answers),
-contextual calibration (each option's probability divided by its probability for a content-free state with
+(the same option chosen both ways), the accuracy of the mean of both orders' probabilities, what the served
+readout answers (`debias: "reverse"`: the mean of both orders' log-probabilities, reading both, and with its stop
+rule reading the first direction alone where it settles, with the share answered from one read), contextual
+calibration (each option's probability divided by its probability for a content-free state with
 the same question and options, fitted once per option set and order), the label mass, and the prompt tokens
 per request: all of them and those after the template head (what a request evaluates when the head is cached
 and the state is new). Decisions go row by row through every style, so a run stopped early still compares
@@ -33,6 +35,8 @@ from rich.table import Table
 
 from semif.serving.engine import prompt as P
 from semif.serving.engine.context import Engine
+from semif.serving.engine.passes.orders import combine_orders, settled
+from semif.serving.engine.plan import first_direction
 
 REPO = Path(__file__).resolve().parents[1]
 V3 = P.STYLES["v3"]
@@ -110,7 +114,8 @@ def main() -> None:
             ids = [o["id"] for o in row["options"]]
             for name in names:
                 entry = {"id": row["id"], "category": row["category"], "decision_id": row["decision_id"],
-                         "answer": row["answer"], "gold_index": ids.index(row["answer"]), "style": name}
+                         "answer": row["answer"], "gold_index": ids.index(row["answer"]), "style": name,
+                         "first_listed": _first_listed(row)}
                 for direction, reverse in (("forward", False), ("reversed", True)):
                     result = score(name, row["state"], question_of(row, reverse))
                     dist = result.distributions[0]
@@ -145,6 +150,12 @@ def resummarise(path: Path) -> int:
     """A stored report's summary recomputed from its records (figures added since it ran included)."""
     stored = json.loads(path.read_text())
     names = list(stored["styles"])
+    data = Path(stored["data"])
+    if data.is_file() and any("first_listed" not in r for r in stored["records"]):  # reports from before it was kept
+        rows = {row["id"]: row for row in map(json.loads, filter(str.strip, data.read_text().splitlines()))}
+        for r in stored["records"]:
+            if r["id"] in rows:
+                r.setdefault("first_listed", _first_listed(rows[r["id"]]))
     old = stored.get("summary", {})
     head = {n: old[n]["prompt_tokens"] - old[n]["after_head_tokens"] for n in names}
     stored["summary"] = summarise(stored["records"], names, head)
@@ -153,12 +164,28 @@ def resummarise(path: Path) -> int:
     return 0
 
 
+def _first_listed(row: dict) -> bool:
+    """Whether debias "reverse" reads the row's listing first (plan.first_direction), not its reverse."""
+    return first_direction(question_of(row))[0] == 0
+
+
+def _served(forward, reversed_, first_listed: bool) -> tuple[int, int, bool]:
+    """debias "reverse" from the two reads' probabilities (given order): (its choice reading both, its choice
+    with the stop rule, whether the stop rule answered from the first direction alone)."""
+    logs = [np.log(np.clip(np.asarray(p, dtype=np.float64), 1e-300, None)) for p in (forward, reversed_)]
+    both = int(np.argmax(combine_orders(*logs)))
+    first = logs[0] if first_listed else logs[1]
+    if settled([first - np.logaddexp.reduce(first)], 2):
+        return both, int(np.argmax(first)), True
+    return both, both, False
+
+
 def summarise(records: list[dict], names: list[str], head_tokens: dict[str, int]) -> dict:
     out = {}
     for name in names:
         mine = [r for r in records if r["style"] == name]
         by_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        fwd = rev = stable = mean = calibrated = cf_fwd = cf_rev = cf_stable = 0
+        fwd = rev = stable = mean = calibrated = cf_fwd = cf_rev = cf_stable = served_both = served = one_read = 0
         cf_by_cat: dict[str, int] = defaultdict(int)
         tokens, evaluated, mass = [], [], []
         for r in mine:
@@ -168,6 +195,11 @@ def summarise(records: list[dict], names: list[str], head_tokens: dict[str, int]
             rev += int(b.argmax() == gold)
             stable += int(f.argmax() == b.argmax())
             mean += int((f + b).argmax() == gold)
+            if "first_listed" in r:
+                both, choice, alone = _served(f, b, r["first_listed"])
+                served_both += int(both == gold)
+                served += int(choice == gold)
+                one_read += int(alone)
             cf = (f / np.maximum(r["forward"]["content_free"], 1e-9) + b / np.maximum(r["reversed"]["content_free"], 1e-9))
             calibrated += int(cf.argmax() == gold)
             # debias content_free, per order: that order's probabilities over its own content-free ones.
@@ -185,6 +217,8 @@ def summarise(records: list[dict], names: list[str], head_tokens: dict[str, int]
         n = max(len(mine), 1)
         out[name] = {"n": len(mine), "forward": fwd / n, "reversed": rev / n, "stable": stable / n,
                      "mean_of_orders": mean / n, "calibrated_mean": calibrated / n,
+                     **({"reverse_both_reads": served_both / n, "reverse_stop_rule": served / n,
+                         "reverse_one_read_share": one_read / n} if all("first_listed" in r for r in mine) else {}),
                      "content_free_forward": cf_fwd / n, "content_free_reversed": cf_rev / n,
                      "content_free_stable": cf_stable / n,
                      "content_free_per_category": {c: cf_by_cat[c] / v[1] for c, v in sorted(by_cat.items())},
@@ -209,6 +243,15 @@ def report(summary: dict, n_rows: int) -> None:
                       f"{s['content_free_stable']:.3f}", f"{s['prompt_tokens']:.1f}",
                       f"{s['after_head_tokens']:.1f}", f"{s['evaluated_tokens']:.1f}", f"{s['label_mass']:.3f}")
     Console().print(table)
+    served = {name: s for name, s in summary.items() if "reverse_stop_rule" in s}
+    if served:
+        table = Table(title='the served readout, debias "reverse"')
+        for column in ("style", "both reads", "stop rule", "answered from one read"):
+            table.add_column(column)
+        for name, s in served.items():
+            table.add_row(name, f"{s['reverse_both_reads']:.3f}", f"{s['reverse_stop_rule']:.3f}",
+                          f"{s['reverse_one_read_share']:.3f}")
+        Console().print(table)
     cats = sorted({c for s in summary.values() for c in s["per_category"]})
     table = Table(title="accuracy per category, options as written")
     table.add_column("style")
