@@ -44,7 +44,9 @@ def _bytes(text, *, special, add_bos=False):
 
 
 def _plan(questions, state=TICKETS[0], variant=None, tokenize=_bytes, **kwargs):
-    """A plan with the served template, or with ``variant``'s."""
+    """A plan with the served template, or with ``variant``'s, for a context that rewinds partially (the
+    engine's on attention models)."""
+    kwargs.setdefault("partial_rewind", True)
     letters = LabelSet(tuple("ABCDEFGHIJKLMNOP"), tuple(range(65, 81)))
     labels = Labels(letters=letters, binary=LabelSet(("Yes", "No"), (89, 78)), scale=letters)
     template = PromptTemplate(CHATML) if variant is None else PromptTemplate(CHATML, variant=variant)

@@ -72,8 +72,8 @@ def main() -> None:
     rows_from = parser.add_mutually_exclusive_group()
     rows_from.add_argument("--limit", type=int, default=None, help="the first N decisions of the file")
     rows_from.add_argument("--stratified", type=int, default=None, metavar="N",
-                        help="the N decisions the dev studies read, taken in turn from their four groups "
-                             "(tools/calibration_study.py), instead of the file's first ones")
+                           help="the N decisions the dev studies read, taken in turn from their four groups "
+                                "(tools/calibration_study.py), instead of the file's first ones")
     parser.add_argument("--styles", default="v2,v3", help=f"comma-separated, of {', '.join(STYLES)}")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None, help="every decision's probabilities per style")
