@@ -30,7 +30,7 @@ from .native import NativeDecision, ScoringUnsupported, build_native_plan, read_
 from .passes import Answers, injection, orders, prior, rotations
 from .passes import second_look as second_look_pass
 from .plan import (DEBIAS_MODES, EngineError, LabelError, PlanError, PromptPlan, PromptTooLong, QuestionPlan, SecondLook,
-                   TokenBudgetExceeded, build_plan, served_debias)
+                   TokenBudgetExceeded, build_plan, served_debias, shared_lead)
 from .prompt import Labels, PromptTemplate, Question, TEMPLATE_VERSION, normalise_for_fence
 from .readout import label_logits, token_logprobs, tokens_digest
 from .results import Cancelled, Distribution, ScoreResult, softmax
@@ -964,8 +964,7 @@ class Engine:
             lead = None
             if qplan.lead:  # planned only where the context rewinds partially and both reads follow the state
                 first_suffix = None if after is None else after.suffix_tokens
-                if (not self.partial_rewind or first_suffix is None or qplan.lead >= min(len(suffix), len(first_suffix))
-                        or first_suffix[:qplan.lead] != suffix[:qplan.lead]):
+                if not self.partial_rewind or first_suffix is None or shared_lead(first_suffix, suffix) < qplan.lead:
                     raise EngineError("a read planned to keep its first read's lead does not share it")
                 lead = (first_suffix, qplan.lead)
             # Recurrent models restart each question from a snapshot of the whole prefix: nothing to fuse.
@@ -978,7 +977,7 @@ class Engine:
         # Suffix tokens this read spared: all of them from the memo (its shared lead counted with the first read).
         # A read that evaluated the first read's block again (the memo had answered it) takes that read's
         # memo credit back: those tokens were evaluated for this request after all.
-        memo_tokens = len(suffix) - dist.lead_tokens if dist.evaluated_tokens == 0 else -dist.redone_tokens
+        memo_tokens = len(suffix) - qplan.lead if dist.evaluated_tokens == 0 else -dist.redone_tokens
         return dist, memo_tokens
 
 
@@ -1110,7 +1109,6 @@ class Engine:
             labels=list(qplan.labels or ()),
             label_mass=label_mass,
             label_variant_ids=variants,
-            lead_tokens=lead[1] if lead is not None else 0,
             redone_tokens=redone,
         )
 

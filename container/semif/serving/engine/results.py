@@ -76,11 +76,6 @@ class Distribution:
     # Prompt tokens of the orders planned but not read (the stop rule or the request's `reads`): the request's
     # input_tokens leave them out (Engine._execute).
     unread_tokens: int = 0
-    # A read in another order: the leading tokens of its question block that are the first read's (the shared
-    # lead, QuestionPlan.lead, Engine._hold_lead). Like the state, a request's prompt counts them once: the
-    # plan's input_tokens and an answer's tokens leave them out, and a read answered from the memo is credited
-    # its block after them.
-    lead_tokens: int = 0
     # A read in another order that evaluated the first read's block again (the context no longer held it): its
     # length, which the request counts as evaluated, not as answered from the memo.
     redone_tokens: int = 0
